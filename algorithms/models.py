@@ -1,0 +1,82 @@
+"""Load the base model and tokenizer, and wrap the model with a LoRA adapter.
+
+Every model, the built-in tiny one included, goes through the same ``from_pretrained`` path:
+``builtin:tiny`` only resolves to a local folder first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pbt.algorithms.tiny import TINY_MODEL_ID, tiny_model_dir
+from pbt.config import LoRAConfig, ModelConfig
+from pbt.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name: str) -> str:
+    """A folder or hub id for ``name``; ``builtin:tiny`` is built and cached on first use."""
+    if name == TINY_MODEL_ID:
+        return str(tiny_model_dir())
+    return name
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer, with a pad token (falling back to EOS) and left padding for generation."""
+    path = resolve_model_path(cfg.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ConfigError(
+            [f"model.name ({cfg.name!r}) has a tokenizer without a chat template; use a chat model"]
+        )
+    return tokenizer
+
+
+def load_base_model(cfg: ModelConfig, device: torch.device):
+    """The frozen base model on ``device``."""
+    path = resolve_model_path(cfg.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, device))
+    except OSError as err:
+        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    model.to(device)
+    model.requires_grad_(False)
+    return model
+
+
+def lora_config(cfg: LoRAConfig) -> LoraConfig:
+    """The peft ``LoraConfig`` for ``cfg``."""
+    return LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_lora(model, cfg: LoRAConfig, adapter_name: str = "default") -> PeftModel:
+    """Wrap ``model`` with a fresh LoRA adapter (B initialised to zero: no change at step 0)."""
+    return get_peft_model(model, lora_config(cfg), adapter_name=adapter_name)
+
+
+def adapter_dir_base(name: str) -> str:
+    """What a saved adapter records as its base model: a path for ``builtin:tiny``."""
+    return str(Path(resolve_model_path(name)).resolve()) if name == TINY_MODEL_ID else name

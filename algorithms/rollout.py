@@ -1,0 +1,121 @@
+"""Rollouts through Hugging Face ``generate``, and the log-prob forward pass that matches them.
+
+Prompts are chat-templated and left-padded; completions are right-padded and their mask covers
+every token up to and including the first end-of-sequence token. Positions are computed from
+the attention mask in both ``generate`` and :func:`sequence_logprobs`, so the trainer scores
+exactly the tokens the sampler saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms.losses import token_logprobs
+from pbt.config import RolloutConfig
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """Prompts and their sampled completions, as token ids and text."""
+
+    prompt_ids: Tensor
+    """``[N, P]`` left-padded prompt ids."""
+    prompt_mask: Tensor
+    """``[N, P]`` 1 on real prompt tokens."""
+    completion_ids: Tensor
+    """``[N, C]`` right-padded completion ids."""
+    completion_mask: Tensor
+    """``[N, C]`` float, 1.0 up to and including the first EOS."""
+    texts: list[str]
+    """Decoded completions, special tokens removed."""
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, index: Tensor | slice) -> RolloutBatch:
+        """Rows ``index`` of the batch (texts follow)."""
+        rows = range(len(self))[index] if isinstance(index, slice) else index.tolist()
+        return RolloutBatch(
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            self.completion_ids[index],
+            self.completion_mask[index],
+            [self.texts[i] for i in rows],
+        )
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[str]:
+    """Wrap each question as a single user turn, ready for the assistant's reply."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    questions: list[str],
+    cfg: RolloutConfig,
+    *,
+    repeats: int = 1,
+    greedy: bool = False,
+    temperature: float | None = None,
+) -> RolloutBatch:
+    """Sample ``repeats`` completions for each question (rows grouped by question).
+
+    Sampling draws from torch's global generator, which the trainer seeds and checkpoints.
+    """
+    texts = [p for p in chat_prompts(tokenizer, questions) for _ in range(repeats)]
+    device = next(model.parameters()).device
+    enc = tokenizer(
+        texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    temp = cfg.temperature if temperature is None else temperature
+    sampling = not greedy and temp > 0
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        max_new_tokens=cfg.max_output_tokens,
+        min_new_tokens=cfg.min_output_tokens,
+        do_sample=sampling,
+        temperature=temp if sampling else None,
+        top_p=cfg.top_p if sampling else None,
+        top_k=cfg.top_k if sampling else None,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
+    decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, mask, decoded)
+
+
+def completion_mask(completion_ids: Tensor, eos_id: int) -> Tensor:
+    """``[N, C]`` float mask: 1.0 through the first EOS (inclusive), 0.0 after it."""
+    is_eos = completion_ids == eos_id
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~after_eos).float()
+
+
+def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
+    """Log-probs ``[N, C]`` of the batch's completion tokens under ``model``.
+
+    Gradients flow when called outside ``torch.no_grad()``.
+    """
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+    prompt_len = batch.prompt_ids.shape[1]
+    # logits at position t predict token t + 1: the completion is predicted from prompt_len - 1 on.
+    completion_logits = logits[:, prompt_len - 1 : -1]  # [N, C, V]
+    return token_logprobs(completion_logits, batch.completion_ids, temperature)

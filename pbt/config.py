@@ -1,0 +1,340 @@
+"""Typed configuration: one small dataclass per component, composed into a :class:`Manifest`.
+
+Each config validates its own values in ``check()``, which returns a list of problems (never
+raises), so :func:`pbt.manifest.load_manifest` can report every problem of a manifest at once.
+Values are checked here, once, at load; the code that uses a config trusts it.
+
+This module imports no torch: the controller reads configs and must start instantly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+FSDP_FIELDS: dict[str, bool] = {
+    "reshard_after_forward": True,
+    "optim_cpu_offload": True,
+    "cpu_offload": False,
+    "defer_grad_sync": True,
+}
+"""The fields of ``pbt.distributed.FSDPConfig`` and their defaults, for torch-free validation."""
+
+
+def _positive(problems: list[str], key: str, value: float, fix: str = "") -> None:
+    if value <= 0:
+        problems.append(f"{key} ({value}) must be > 0{'; ' + fix if fix else ''}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The base model every member fine-tunes."""
+
+    name: str = "builtin:tiny"
+    """A local Hugging Face folder, a hub id, or ``builtin:tiny`` (a small Qwen2-architecture
+    model with a locally trained tokenizer, built once and cached; needs no download)."""
+    dtype: Dtype = "auto"
+    """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if not self.name.strip():
+            problems.append(f"{prefix}.name is empty; give a model folder, hub id or builtin:tiny")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """The LoRA adapter that is each member's trainable state."""
+
+    r: int = 8
+    """Adapter rank."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is scaled by ``alpha / r``."""
+    dropout: float = 0.0
+    """Dropout on the adapter input; keep 0 for exactly reproducible runs."""
+    target_modules: list[str] | str = "all-linear"
+    """Module names to adapt, or ``all-linear`` for every linear layer but the output head."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.r", self.r, "use a rank such as 8 or 16")
+        _positive(problems, f"{prefix}.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"{prefix}.dropout ({self.dropout}) must be in [0, 1)")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            problems.append(
+                f"{prefix}.target_modules is an empty list; name modules or use all-linear"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape after warmup; ``linear`` and ``cosine`` decay to 0 at the end of training."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.lr", self.lr, "a LoRA run typically uses 1e-5 to 1e-3")
+        if self.weight_decay < 0:
+            problems.append(f"{prefix}.weight_decay ({self.weight_decay}) must be >= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            problems.append(f"{prefix}.betas ({self.betas}) must be two values in [0, 1)")
+        _positive(problems, f"{prefix}.eps", self.eps)
+        if self.max_grad_norm < 0:
+            problems.append(
+                f"{prefix}.max_grad_norm ({self.max_grad_norm}) must be >= 0 (0 disables)"
+            )
+        if self.warmup_steps < 0:
+            problems.append(f"{prefix}.warmup_steps ({self.warmup_steps}) must be >= 0")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """GRPO: group-relative advantages with a PPO-clipped objective and optional KL penalty."""
+
+    name: Literal["GRPO"] = "GRPO"
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are relative within each group."""
+    prompts_per_step: int = 4
+    """Prompts per training step (each repeated ``group_size`` times)."""
+    beta: float = 0.0
+    """KL penalty coefficient against the reference (adapter disabled); 0 skips the reference pass."""
+    clip_low: float = 0.2
+    """Lower clip: the ratio is kept above ``1 - clip_low``."""
+    clip_high: float = 0.2
+    """Upper clip: the ratio is kept below ``1 + clip_high``."""
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    """``token-mean`` averages over every token of the mini-batch; ``sequence-mean`` averages
+    each sequence's tokens, then the sequences."""
+    update_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int | None = None
+    """Completions per optimizer step; default: the whole rollout batch."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward (gradient accumulation); default: the mini-batch."""
+    advantage_eps: float = 1e-4
+    """Added to the group standard deviation before dividing."""
+
+    @property
+    def batch_completions(self) -> int:
+        """Completions per training step (derived)."""
+        return self.prompts_per_step * self.group_size
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.group_size < 2:
+            problems.append(
+                f"{prefix}.group_size ({self.group_size}) must be >= 2: a group of one has no "
+                "relative advantage; use 4 to 16"
+            )
+        _positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
+        if self.beta < 0:
+            problems.append(f"{prefix}.beta ({self.beta}) must be >= 0 (0 disables the KL term)")
+        for key in ("clip_low", "clip_high"):
+            value = getattr(self, key)
+            if not 0.0 < value < 10.0:
+                problems.append(f"{prefix}.{key} ({value}) must be in (0, 10); 0.2 is usual")
+        if self.clip_low >= 1.0:
+            problems.append(
+                f"{prefix}.clip_low ({self.clip_low}) must be < 1 (the ratio is positive)"
+            )
+        _positive(problems, f"{prefix}.update_epochs", self.update_epochs)
+        _positive(problems, f"{prefix}.advantage_eps", self.advantage_eps)
+        problems += self._check_batches(prefix)
+        return problems
+
+    def _check_batches(self, prefix: str) -> list[str]:
+        if self.group_size < 1 or self.prompts_per_step < 1:
+            return []
+        total = self.batch_completions
+        mini = self.mini_batch_size if self.mini_batch_size is not None else total
+        problems: list[str] = []
+        if mini < 1 or total % mini:
+            problems.append(
+                f"{prefix}.mini_batch_size ({mini}) must divide the completions per step "
+                f"(prompts_per_step * group_size = {total}); pick a divisor of {total}"
+            )
+        micro = self.micro_batch_size if self.micro_batch_size is not None else mini
+        if micro < 1 or (mini >= 1 and mini % micro):
+            problems.append(
+                f"{prefix}.micro_batch_size ({micro}) must divide mini_batch_size ({mini}); "
+                f"pick a divisor of {mini}"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """How completions are sampled."""
+
+    engine: Literal["hf"] = "hf"
+    """``hf``: Hugging Face ``generate`` (works on CPU and GPU)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k filtering."""
+    max_output_tokens: int = 64
+    min_output_tokens: int = 0
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.temperature", self.temperature, "use 0.7 to 1.2 for RL")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"{prefix}.top_p ({self.top_p}) must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"{prefix}.top_k ({self.top_k}) must be >= 0 (0 disables)")
+        _positive(problems, f"{prefix}.max_output_tokens", self.max_output_tokens)
+        if not 0 <= self.min_output_tokens <= self.max_output_tokens:
+            problems.append(
+                f"{prefix}.min_output_tokens ({self.min_output_tokens}) must be in "
+                f"[0, max_output_tokens ({self.max_output_tokens})]"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardRef:
+    """A user reward function ``reward_fn(completion, answer, question) -> float`` in a file."""
+
+    file: str
+    """Path to a Python file, relative to the manifest's folder."""
+    function: str
+    """Name of the function in that file."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if not self.file.endswith(".py"):
+            problems.append(f"{prefix}.file ({self.file!r}) must be a .py file")
+        if not self.function.isidentifier():
+            problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """The prompts, their answers and the reward."""
+
+    name: str = "builtin:letters"
+    """A built-in procedural task (``builtin:letters``, ``builtin:arithmetic``)."""
+    reward: RewardRef | None = None
+    """Replace the task's own reward with a user function."""
+    train_size: int = 2048
+    """Prompts in the training split (at most; a small built-in task may have fewer)."""
+    eval_size: int = 64
+    """Prompts in the held-out evaluation split (disjoint from training)."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.train_size", self.train_size)
+        _positive(problems, f"{prefix}.eval_size", self.eval_size)
+        if self.reward is not None:
+            problems += self.reward.check(f"{prefix}.reward")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedConfig:
+    """How a member's ranks share the work."""
+
+    fsdp: bool | dict[str, object] | None = None
+    """``True`` for default FSDP2 sharding, a dict of ``FSDPConfig`` fields, or None for data
+    parallel (each rank holds the whole model)."""
+
+    def check(self, prefix: str) -> list[str]:
+        if self.fsdp is None or isinstance(self.fsdp, bool):
+            return []
+        problems: list[str] = []
+        for key, value in self.fsdp.items():
+            if key not in FSDP_FIELDS:
+                problems.append(
+                    f"{prefix}.fsdp.{key} is not an FSDPConfig field; valid: {', '.join(FSDP_FIELDS)}"
+                )
+            elif not isinstance(value, bool):
+                problems.append(f"{prefix}.fsdp.{key} ({value!r}) must be true or false")
+        if (
+            self.fsdp.get("cpu_offload") is True
+            and self.fsdp.get("optim_cpu_offload", True) is True
+        ):
+            problems.append(
+                f"{prefix}.fsdp.cpu_offload and optim_cpu_offload are both on: cpu_offload already "
+                "keeps optimizer state on the CPU; set optim_cpu_offload: false"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The member's run: how long, how often to evaluate, where to write."""
+
+    steps: int = 100
+    """Training steps (one rollout batch each)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps; 0 evaluates only before and after."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 is greedy."""
+    seed: int = 0
+    output_dir: str = "runs/member"
+    """Where the checkpoint and logs go, relative to the working directory."""
+    device: Device = "auto"
+    """``auto`` picks CUDA when available, else CPU."""
+    log_every: int = 1
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.steps", self.steps)
+        if self.eval_every < 0:
+            problems.append(f"{prefix}.eval_every ({self.eval_every}) must be >= 0")
+        if self.eval_temperature < 0:
+            problems.append(f"{prefix}.eval_temperature ({self.eval_temperature}) must be >= 0")
+        if self.seed < 0:
+            problems.append(f"{prefix}.seed ({self.seed}) must be >= 0")
+        _positive(problems, f"{prefix}.log_every", self.log_every)
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """A whole run, composed of the component configs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    base_dir: str = "."
+    """Folder of the manifest file; relative paths in it resolve against this (set by the loader)."""
+
+    def check(self) -> list[str]:
+        problems: list[str] = []
+        for name in (
+            "model",
+            "lora",
+            "optim",
+            "algorithm",
+            "rollout",
+            "task",
+            "distributed",
+            "training",
+        ):
+            problems += getattr(self, name).check(name)
+        return problems

@@ -1,0 +1,150 @@
+"""The member entry point: train one member, evaluate it, checkpoint it.
+
+    torchrun --nproc_per_node=1 -m pbt.train manifest.yaml
+    python -m pbt.train manifest.yaml [--device cpu|cuda|auto] [--output-dir DIR] [--steps N]
+
+Without a manifest the built-in quickstart runs. Progress goes to stdout, one line per logged
+step; every step's metrics also go to ``<output_dir>/metrics.jsonl``. This is the only module of
+``pbt`` that imports torch and the algorithms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from pbt.config import Manifest
+from pbt.errors import ConfigError, PbtError
+from pbt.manifest import load_manifest
+
+
+def default_manifest_path() -> Path:
+    """The packaged quickstart manifest."""
+    return Path(str(resources.files("pbt") / "quickstart.yaml"))
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of ``python -m pbt.train`` (also ``pbt train``)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m pbt.train", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)"
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="overrides training.device"
+    )
+    parser.add_argument("--output-dir", help="overrides training.output_dir")
+    parser.add_argument("--steps", type=int, help="overrides training.steps")
+    parser.add_argument("--resume", help="checkpoint to continue from")
+    return parser
+
+
+def resolve_manifest(args: argparse.Namespace) -> Manifest:
+    """Load the manifest and apply command-line overrides (validated like the file)."""
+    manifest = load_manifest(args.manifest or default_manifest_path())
+    overrides = {
+        "device": args.device,
+        "output_dir": args.output_dir,
+        "steps": args.steps,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        manifest.training = dataclasses.replace(manifest.training, **overrides)
+        problems = manifest.training.check("training")
+        if problems:
+            raise ConfigError(problems, "command line")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        manifest = resolve_manifest(args)
+        run_member(manifest, resume=args.resume)
+    except PbtError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float]:
+    """Train, evaluate and checkpoint one member; returns the summary figures."""
+    from transformers.utils import logging as hf_logging
+
+    from pbt.algorithms.member import Member
+    from pbt.distributed import pick_device, world_info
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    world = world_info()
+    device = pick_device(manifest.training.device, world.local_rank)
+    member = Member(manifest, device)
+    if resume:
+        member.load(resume)
+    out = Path(manifest.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    say(_banner(manifest, member, device))
+    return _train_loop(manifest, member, out, say)
+
+
+def _banner(manifest: Manifest, member, device) -> str:
+    task = member.task
+    return (
+        f"pbt-llm: {manifest.algorithm.name} on {manifest.model.name} with LoRA r={manifest.lora.r}, "
+        f"task {task.name} ({len(task.train)} train / {len(task.eval)} held-out prompts), "
+        f"{manifest.training.steps} steps on {device}"
+    )
+
+
+def _train_loop(manifest: Manifest, member, out: Path, say) -> dict[str, float]:
+    from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
+
+    cfg = manifest.training
+    learner, task = member.learner, member.task
+    started = time.perf_counter()
+    first = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+    say(f"eval  step {learner.step:>4}: held-out reward {first:.3f}")
+    last = first
+    with (out / "metrics.jsonl").open("a") as log:
+        while learner.step < cfg.steps:
+            metrics = learner.train_step(task.train, task.reward_fn)
+            log.write(json.dumps({"step": learner.step, **metrics}) + "\n")
+            if metrics["skipped"]:
+                say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
+            if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
+                say(_step_line(learner.step, cfg.steps, metrics))
+            if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
+                last = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+                say(f"eval  step {learner.step:>4}: held-out reward {last:.3f}")
+                log.write(json.dumps({"step": learner.step, "eval_reward": last}) + "\n")
+    last = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+    member.fitness.append(last)
+    digest = member.save(out / "checkpoint")
+    elapsed = time.perf_counter() - started
+    say(f"eval  step {learner.step:>4}: held-out reward {last:.3f}")
+    say(
+        f"done: held-out reward {first:.3f} -> {last:.3f} ({last - first:+.3f}) in {elapsed:.0f} s; "
+        f"checkpoint {out / 'checkpoint'} (sha256 {digest[:12]})"
+    )
+    return {"initial_reward": first, "final_reward": last, "seconds": elapsed}
+
+
+def _step_line(step: int, total: int, m: dict[str, float]) -> str:
+    return (
+        f"step {step:>4}/{total}  reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  "
+        f"loss {m['loss']:+.4f}  kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
+        f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
+        f"{m['tokens_per_s']:.0f} tok/s"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

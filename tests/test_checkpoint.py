@@ -1,0 +1,152 @@
+"""The checkpoint format: complete or absent, plain data only, and an exact resume."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from conftest import small_manifest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
+from pbt.algorithms.member import Member
+from pbt.algorithms.models import resolve_model_path
+from pbt.errors import CheckpointError
+
+CPU = torch.device("cpu")
+
+
+def _adapter(member: Member) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in member.model.named_parameters() if p.requires_grad}
+
+
+def _train(member: Member, steps: int) -> list[float]:
+    return [
+        member.learner.train_step(member.task.train, member.task.reward_fn)["reward_mean"]
+        for _ in range(steps)
+    ]
+
+
+def test_two_steps_save_load_two_more_equals_four_straight(tmp_path):
+    manifest = small_manifest(
+        tmp_path, algorithm={"beta": 0.1, "update_epochs": 2, "mini_batch_size": 4}
+    )
+    straight = Member(manifest, CPU)
+    rewards_straight = _train(straight, 4)
+
+    first = Member(manifest, CPU)
+    rewards_first = _train(first, 2)
+    first.save(tmp_path / "ckpt")
+
+    resumed = Member(manifest, CPU)
+    resumed.load(tmp_path / "ckpt")
+    rewards_resumed = _train(resumed, 2)
+
+    assert rewards_first + rewards_resumed == rewards_straight
+    assert resumed.learner.step == straight.learner.step == 4
+    a, b = _adapter(straight), _adapter(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed.learner.scheduler.last_epoch == straight.learner.scheduler.last_epoch
+    # and the adapter actually moved: the comparison is not between two untouched zeros
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)
+
+
+def test_files_manifest_and_plain_peft_loading(tmp_path):
+    member = Member(small_manifest(tmp_path), CPU)
+    _train(member, 1)
+    digest = member.save(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    assert sorted(json.loads((ckpt / "manifest.json").read_text())["files"]) == [
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+        "attributes.pt",
+    ]
+    assert verify_checkpoint(ckpt) == digest
+    attrs = torch.load(ckpt / "attributes.pt", weights_only=True)
+    for key in (
+        "format_version",
+        "algorithm",
+        "base_model",
+        "lora_config",
+        "hyperparameters",
+        "mutation_ranges",
+        "trainable",
+        "learner",
+        "rng",
+        "step",
+        "fitness",
+        "lineage",
+    ):
+        assert key in attrs, key
+    assert not list(tmp_path.glob(".ckpt.tmp-*")), "temporary directory left behind"
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
+    peft_model = PeftModel.from_pretrained(base, ckpt / "adapter")
+    ids = member.tokenizer("Repeat the letter q many times.", return_tensors="pt")["input_ids"]
+    member.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(peft_model(ids).logits, member.model(ids).logits, atol=1e-6)
+
+
+def test_corrupted_truncated_and_incomplete_checkpoints_are_refused(tmp_path):
+    member = Member(small_manifest(tmp_path), CPU)
+    member.save(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    weights = ckpt / "adapter" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its digest"):
+        member.load(ckpt)
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_pickle_payload_is_refused_without_running(tmp_path, capsys):
+    member = Member(small_manifest(tmp_path), CPU)
+    member.save(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    torch.save(
+        {"payload": _RunsCode()}, ckpt / "attributes.pt", pickle_protocol=pickle.DEFAULT_PROTOCOL
+    )
+    # re-sign the manifest so only the weights_only check stands in the way
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    from pbt.algorithms.checkpoint import _sha256
+
+    manifest["files"]["attributes.pt"] = _sha256(ckpt / "attributes.pt")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="plain data"):
+        load_checkpoint(ckpt)
+    assert "pwned" not in capsys.readouterr().out
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    member = Member(small_manifest(tmp_path), CPU)
+    member.save(tmp_path / "ckpt")
+    other = Member(small_manifest(tmp_path, lora={"r": 4}), CPU)
+    with pytest.raises(CheckpointError, match="lora_config"):
+        other.load(tmp_path / "ckpt")
+
+
+def test_newer_format_is_refused(tmp_path):
+    member = Member(small_manifest(tmp_path), CPU)
+    member.save(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 99
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="upgrade pbt-llm"):
+        load_checkpoint(tmp_path / "ckpt")
