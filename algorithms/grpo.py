@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -173,7 +174,11 @@ class GRPO:
         rows = has_signal.nonzero().squeeze(1)
         self.step += 1
         if rows.numel() == 0:
-            self.scheduler.step()
+            # The schedule follows training steps, skipped ones included; torch warns when a
+            # scheduler steps without an optimizer step, which here is intended.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
             return {
                 **metrics,
                 "skipped": 1.0,

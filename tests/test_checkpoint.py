@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-from conftest import small_manifest
 from peft import PeftModel
+from support import small_manifest
 from transformers import AutoModelForCausalLM
 
 from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
