@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from pbt.algorithms import losses
 from pbt.algorithms.rollout import RolloutBatch, generate, sequence_logprobs
 from pbt.algorithms.tasks import Example, RewardFn
 from pbt.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from pbt.distributed import all_reduce, world_info
+from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
+from pbt.distributed.state import gather_optimizer, load_optimizer, trainable_parameters
+from pbt.errors import ConfigError
 
 MUTABLE_HYPERPARAMETERS = ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm")
 """Hyperparameters a mutation may change between generations without breaking the run."""
@@ -42,7 +47,9 @@ class GRPO:
         tokenizer: the matching tokenizer, with a chat template and a pad token.
         algorithm, optim, rollout: the component configs (copied; mutations change the copies).
         total_steps: training steps planned, for the learning-rate schedule.
-        seed: seeds the learner's generator (prompt order and mini-batch shuffles).
+        seed: seeds the learner's generator (prompt order and mini-batch shuffles); the same on
+            every rank, so all ranks draw the same global batch and take their own share.
+        fsdp: the sharding options when ``model`` is sharded with FSDP2, else None.
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class GRPO:
         rollout: RolloutConfig,
         total_steps: int,
         seed: int = 0,
+        fsdp: FSDPConfig | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -63,7 +71,14 @@ class GRPO:
         self.total_steps = total_steps
         self.step = 0
         self.generator = torch.Generator().manual_seed(seed)
-        params = [p for p in model.parameters() if p.requires_grad]
+        world = world_info()
+        self.rank, self.world_size = world.rank, world.world_size
+        self.device = next(model.parameters()).device
+        self.defer_grad_sync = fsdp.defer_grad_sync if fsdp else False
+        self.optim_offload = bool(fsdp and fsdp.optim_cpu_offload and self.device.type == "cuda")
+        self._check_world(self.algorithm)
+        self.named_params = trainable_parameters(model)
+        params = [p for _, p in self.named_params]
         self.optimizer = torch.optim.AdamW(
             params,
             lr=self.optim_cfg.lr,
@@ -72,6 +87,19 @@ class GRPO:
             weight_decay=self.optim_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _check_world(self, algo: AlgorithmConfig) -> None:
+        """The global batch must split evenly over the member's ranks."""
+        problems = []
+        mini = algo.mini_batch_size or algo.batch_completions
+        for key, value in (("prompts_per_step", algo.prompts_per_step), ("mini_batch_size", mini)):
+            if value % self.world_size:
+                problems.append(
+                    f"algorithm.{key} ({value}) must be divisible by the member's "
+                    f"{self.world_size} ranks; use a multiple of {self.world_size}"
+                )
+        if problems:
+            raise ConfigError(problems)
 
     def _lr_factor(self, step: int) -> float:
         warmup = self.optim_cfg.warmup_steps
@@ -120,10 +148,15 @@ class GRPO:
     # -- one training step -----------------------------------------------------------------
 
     def sample_prompts(self, train: list[Example]) -> list[Example]:
-        """``prompts_per_step`` distinct training examples, drawn from the learner's generator."""
+        """This rank's share of ``prompts_per_step`` distinct training examples.
+
+        Every rank draws the same global list from the shared generator and keeps a contiguous
+        slice, so the global batch does not depend on the world size.
+        """
         count = min(self.algorithm.prompts_per_step, len(train))
-        order = torch.randperm(len(train), generator=self.generator)[:count]
-        return [train[i] for i in order.tolist()]
+        order = torch.randperm(len(train), generator=self.generator)[:count].tolist()
+        share = count // self.world_size
+        return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
 
     def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
         """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``."""
@@ -155,25 +188,37 @@ class GRPO:
         return metrics
 
     def learn(self, batch: RolloutBatch, rewards: Tensor) -> dict[str, float]:
-        """Update the adapter from a scored batch; returns metrics.
+        """Update the adapter from this rank's share of a scored batch; returns global metrics.
 
-        Rows of zero-signal groups are dropped before any forward pass. When no row is left,
-        nothing is updated and ``metrics["skipped"]`` is 1.
+        Rows of zero-signal groups are dropped before any forward pass. When no rank has a row
+        left, nothing is updated and ``metrics["skipped"]`` is 1. Every rank makes the same
+        number of forward passes and optimizer steps, whatever it dropped.
         """
         algo = self.algorithm
         advantages, has_signal = losses.group_advantages(
             rewards, algo.group_size, algo.advantage_eps
         )
+        lengths = batch.completion_mask.sum(dim=1).cpu()
+        sums = all_reduce(
+            [
+                float(rewards.sum()),
+                float((rewards**2).sum()),
+                len(rewards),
+                float(has_signal.sum()),
+                float(lengths.sum()),
+            ]
+        )
+        count = max(sums[2], 1.0)
+        mean = sums[0] / count
         metrics = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "zero_signal_fraction": 1.0 - float(has_signal.float().mean()),
-            "completion_length": float(batch.completion_mask.sum(dim=1).mean()),
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(sums[1] / count - mean**2, 0.0)),
+            "zero_signal_fraction": 1.0 - sums[3] / count,
+            "completion_length": sums[4] / count,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
-        rows = has_signal.nonzero().squeeze(1)
         self.step += 1
-        if rows.numel() == 0:
+        if sums[3] == 0:
             # The schedule follows training steps, skipped ones included; torch warns when a
             # scheduler steps without an optimizer step, which here is intended.
             with warnings.catch_warnings():
@@ -187,17 +232,24 @@ class GRPO:
                 "clip_fraction": 0.0,
                 "grad_norm": 0.0,
             }
+        rows = has_signal.nonzero().squeeze(1)
+        weight = torch.ones(len(batch))
+        if rows.numel() == 0:  # other ranks have signal: take part with one zero-weight row
+            rows, weight = torch.zeros(1, dtype=torch.long), torch.zeros(len(batch))
         device = batch.completion_ids.device
         signal = batch.select(rows.to(device))
+        signal.completion_mask = signal.completion_mask * weight[rows].to(device).unsqueeze(1)
         update = self._update(signal, advantages[rows].to(device))
         self.scheduler.step()
         return {**metrics, **update, "skipped": 0.0}
 
     def _update(self, batch: RolloutBatch, advantages: Tensor) -> dict[str, float]:
         algo = self.algorithm
+        world = self.world_size
         self.model.train()
         ref_logp = self._reference_logprobs(batch) if algo.beta > 0 else None
-        single_pass = algo.update_epochs == 1 and (algo.mini_batch_size or len(batch)) >= len(batch)
+        mini = (algo.mini_batch_size or algo.batch_completions) // world
+        single_pass = algo.update_epochs == 1 and mini >= algo.batch_completions // world
         old_logp = None if single_pass else self._logprobs_no_grad(batch)
         totals = {
             "loss": 0.0,
@@ -207,64 +259,94 @@ class GRPO:
             "grad_norm": 0.0,
             "updates": 0,
         }
-        mini = algo.mini_batch_size or algo.batch_completions
+        longest = int(all_reduce([len(batch)], "max")[0])
         for _ in range(algo.update_epochs):
-            order = torch.randperm(len(batch), generator=self.generator).to(
-                batch.completion_ids.device
-            )
-            for start in range(0, len(batch), mini):
-                rows = order[start : start + mini]
-                self._mini_batch_step(batch, advantages, rows, old_logp, ref_logp, totals)
-        tokens = max(totals["tokens"], 1.0)
+            # the same draw on every rank, whatever its row count, keeps the generators in step
+            order = torch.randperm(longest, generator=self.generator)
+            order = order[order < len(batch)].to(batch.completion_ids.device)
+            for start in range(0, longest, mini):
+                rows = order[start : start + mini] if start < len(order) else order[:0]
+                self._mini_batch_step(batch, advantages, rows, mini, old_logp, ref_logp, totals)
+        reduced = all_reduce([totals["kl"], totals["clipped"], totals["tokens"]])
+        tokens = max(reduced[2], 1.0)
         return {
             "loss": totals["loss"] / max(totals["updates"], 1),
-            "kl": totals["kl"] / tokens,
-            "clip_fraction": totals["clipped"] / tokens,
+            "kl": reduced[0] / tokens,
+            "clip_fraction": reduced[1] / tokens,
             "grad_norm": totals["grad_norm"] / max(totals["updates"], 1),
             "optimizer_steps": float(totals["updates"]),
         }
 
-    def _mini_batch_step(self, batch, advantages, rows, old_logp, ref_logp, totals) -> None:
+    def _mini_batch_step(self, batch, advantages, rows, mini, old_logp, ref_logp, totals) -> None:
+        """One optimizer step over ``rows`` (possibly fewer than ``mini``, even none, on this rank)."""
         algo = self.algorithm
         mask = batch.completion_mask[rows]
-        denominator = losses.aggregation_denominator(mask, algo.loss_aggregation)
-        micro = algo.micro_batch_size or len(rows)
+        local = losses.aggregation_denominator(mask, algo.loss_aggregation) if len(rows) else 0.0
+        denominator = all_reduce([local])[0]
+        micro = min(algo.micro_batch_size or mini, mini)
+        chunks = [rows[s : s + micro] for s in range(0, mini, micro)]
         loss_sum = 0.0
-        for start in range(0, len(rows), micro):
-            idx = rows[start : start + micro]
+        for i, idx in enumerate(chunks):
+            set_gradient_sync(self.model, not self.defer_grad_sync or i == len(chunks) - 1)
+            live = len(idx) > 0
+            idx = idx if live else torch.zeros(1, dtype=torch.long, device=rows.device)
             part = batch.select(idx)
+            m = part.completion_mask * (1.0 if live else 0.0)
             logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)
             old = logp.detach() if old_logp is None else old_logp[idx]
             per_token, clipped = losses.clipped_surrogate(
                 logp, old, advantages[idx], algo.clip_low, algo.clip_high
             )
-            m = part.completion_mask
             if ref_logp is not None:
                 kl = losses.kl_k3(logp, ref_logp[idx])
                 per_token = per_token + algo.beta * kl
                 totals["kl"] += float((kl.detach() * m).sum())
-            loss = losses.aggregate(per_token, m, algo.loss_aggregation, denominator)
+            # gradients are averaged across ranks: scale by the world size to get their sum
+            loss = (
+                losses.aggregate(per_token, m, algo.loss_aggregation, denominator) * self.world_size
+            )
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += float(loss.detach()) / self.world_size
             totals["clipped"] += float((clipped.float() * m).sum())
             totals["tokens"] += float(m.sum())
+        totals["grad_norm"] += self._optimizer_step()
+        totals["loss"] += all_reduce([loss_sum])[0]
+        totals["updates"] += 1
+
+    def _optimizer_step(self) -> float:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not is_sharded(self.model):
+            average_gradients(params)
         max_norm = self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
-        totals["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self._move_optimizer_state(self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals["loss"] += loss_sum
-        totals["updates"] += 1
+        if self.optim_offload:
+            self._move_optimizer_state(torch.device("cpu"))
+        return float(norm)
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        if not self.optim_offload:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, batch: RolloutBatch) -> Tensor:
         micro = self.algorithm.micro_batch_size or len(batch)
-        parts = [
-            sequence_logprobs(
-                self.model, batch.select(slice(s, s + micro)), self.rollout_cfg.temperature
-            )
-            for s in range(0, len(batch), micro)
-        ]
+        longest = int(all_reduce([len(batch)], "max")[0])
+        parts = []
+        for start in range(0, longest, micro):
+            # ranks with fewer rows still run the forward pass: sharded layers gather together
+            rows = slice(start, start + micro) if start < len(batch) else slice(0, 1)
+            logp = sequence_logprobs(self.model, batch.select(rows), self.rollout_cfg.temperature)
+            if start < len(batch):
+                parts.append(logp)
         return torch.cat(parts)
 
     def _reference_logprobs(self, batch: RolloutBatch) -> Tensor:
@@ -281,39 +363,47 @@ class GRPO:
         temperature: float = 0.0,
         batch_size: int = 64,
     ) -> float:
-        """Mean reward on ``examples`` (greedy when ``temperature`` is 0)."""
+        """Mean reward on ``examples`` (greedy when ``temperature`` is 0), split across ranks."""
         self.model.eval()
+        mine = examples[self.rank :: self.world_size]
+        # every rank runs the same number of generate calls (sharded layers gather together)
+        calls = math.ceil(math.ceil(len(examples) / self.world_size) / batch_size)
         total = 0.0
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start : start + batch_size]
+        for call in range(calls):
+            chunk = mine[call * batch_size : (call + 1) * batch_size]
             batch = generate(
                 self.model,
                 self.tokenizer,
-                [ex.question for ex in chunk],
+                [ex.question for ex in chunk or examples[:1]],
                 self.rollout_cfg,
                 greedy=temperature == 0,
                 temperature=temperature or None,
+                synced=is_sharded(self.model),
             )
             total += sum(
                 reward_fn(t, ex.answer, ex.question)
-                for t, ex in zip(batch.texts, chunk, strict=True)
+                for t, ex in zip(batch.texts, chunk, strict=False)
             )
-        return total / max(len(examples), 1)
+        return all_reduce([total])[0] / max(len(examples), 1)
 
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, step and the learner's generator (adapter weights apart)."""
+        """Optimizer (gathered, by parameter name), scheduler, step and generator.
+
+        A collective under FSDP: every rank calls it.
+        """
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": gather_optimizer(self.named_params, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "generator": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore what :meth:`state_dict` returned, on any world size."""
+        load_optimizer(self.named_params, self.optimizer, state["optimizer"])
+        self._move_optimizer_state(torch.device("cpu"))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
 from pbt.algorithms.grpo import GRPO
 from pbt.algorithms.models import adapter_dir_base, add_lora, load_base_model, load_tokenizer
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import Manifest
+from pbt.distributed import all_gather_objects, barrier, init_process_group
+from pbt.distributed.fsdp import FSDPConfig, shard_model
+from pbt.distributed.state import gather_parameters, load_parameters
 from pbt.errors import CheckpointError
 
 
@@ -38,9 +40,18 @@ class Member:
         self.manifest = manifest
         self.device = device
         self.member_id = member_id
+        self.world = init_process_group(device, manifest.distributed.timeout_s)
+        # The same seed on every rank while the adapter is initialised (data-parallel replicas
+        # and FSDP shards must start from one set of weights), then one stream per rank for
+        # sampling.
         seed_everything(manifest.training.seed)
         self.tokenizer = load_tokenizer(manifest.model)
-        self.model = add_lora(load_base_model(manifest.model, device), manifest.lora)
+        base = load_base_model(manifest.model, device)
+        self.model = add_lora(base, manifest.lora)
+        self.fsdp = FSDPConfig.from_value(manifest.distributed.fsdp)
+        if self.fsdp is not None:
+            shard_model(self.model, base, self.fsdp, device)
+        seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_task(manifest.task, manifest.base_dir, manifest.training.seed)
         self.learner = GRPO(
             self.model,
@@ -50,6 +61,7 @@ class Member:
             manifest.rollout,
             total_steps=manifest.training.steps,
             seed=manifest.training.seed,
+            fsdp=self.fsdp,
         )
         self.fitness: list[float] = []
         self.lineage: dict[str, Any] = {
@@ -60,33 +72,44 @@ class Member:
         }
 
     def attributes(self) -> dict[str, Any]:
-        """Everything the member is, as plain data for ``attributes.pt``."""
+        """Everything the member is, as plain data for ``attributes.pt``.
+
+        A collective: every rank calls it; sharded state is gathered into full tensors.
+        """
+        named = self.learner.named_params
         return {
             "algorithm": self.manifest.algorithm.name,
             "base_model": self.manifest.model.name,
             "lora_config": asdict(self.manifest.lora),
             "hyperparameters": self.learner.hyperparameters(),
             "mutation_ranges": {},
-            "trainable": {
-                k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()
-            },
+            "trainable": {_peft_key(n): t for n, t in gather_parameters(named).items()},
             "learner": self.learner.state_dict(),
-            "rng": capture_rng(),
+            "rng": all_gather_objects(capture_rng()),
+            "world_size": self.world.world_size,
             "step": self.learner.step,
             "fitness": list(self.fitness),
             "lineage": dict(self.lineage),
         }
 
-    def save(self, path: str | Path) -> str:
-        """Write the checkpoint; returns its digest."""
+    def save(self, path: str | Path) -> str | None:
+        """Write the checkpoint (rank 0) and return its digest; other ranks return None.
+
+        A collective: every rank calls it.
+        """
+        attributes = self.attributes()
+        digest = None
+        if self.world.rank == 0:
+            digest = save_checkpoint(path, attributes, self._adapter_config())
+        barrier()
+        return digest
+
+    def _adapter_config(self) -> dict[str, Any]:
         config = self.model.peft_config["default"].to_dict()
         config["base_model_name_or_path"] = adapter_dir_base(self.manifest.model.name)
-        config["target_modules"] = (
-            sorted(config["target_modules"])
-            if isinstance(config["target_modules"], (set, list))
-            else config["target_modules"]
-        )
-        return save_checkpoint(path, self.attributes(), config)
+        targets = config["target_modules"]
+        config["target_modules"] = sorted(targets) if isinstance(targets, (set, list)) else targets
+        return config
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``.
@@ -96,19 +119,32 @@ class Member:
         """
         attrs = load_checkpoint(path)
         self._check_compatible(attrs, path)
-        result = set_peft_model_state_dict(
-            self.model, {k: v.to(self.device) for k, v in attrs["trainable"].items()}
-        )
-        if result.unexpected_keys:
+        named = self.learner.named_params
+        saved = attrs["trainable"]
+        if set(saved) != {_peft_key(n) for n, _ in named}:
             raise CheckpointError(
-                f"checkpoint {path}: adapter keys do not fit this model: {result.unexpected_keys[:3]}"
+                f"checkpoint {path}: its adapter tensors do not fit this model's adapter"
             )
+        try:
+            load_parameters(named, {n: saved[_peft_key(n)] for n, _ in named})
+        except KeyError as err:
+            raise CheckpointError(f"checkpoint {path}: {err.args[0]}") from None
         self.learner.load_state_dict(attrs["learner"])
         self.learner.apply_hyperparameters(attrs["hyperparameters"])
-        restore_rng(attrs["rng"])
+        self._restore_rng(attrs["rng"])
         self.fitness = [float(f) for f in attrs["fitness"]]
         self.lineage = dict(attrs["lineage"])
         return attrs
+
+    def _restore_rng(self, states: list[dict[str, Any]]) -> None:
+        """Each rank takes its own saved stream; on another world size, a stream derived from
+        rank 0's (a resume on a new world size cannot replay the old sampling anyway)."""
+        if len(states) == self.world.world_size:
+            restore_rng(states[self.world.rank])
+            return
+        restore_rng(states[0])
+        if self.world.rank:
+            seed_everything(int(torch.randint(0, 2**31 - 1, (1,))) + self.world.rank)
 
     def _check_compatible(self, attrs: dict[str, Any], path: str | Path) -> None:
         expected = {
@@ -144,3 +180,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _peft_key(name: str, adapter: str = "default") -> str:
+    """PEFT's saved name for a parameter: the adapter name dropped, as in its safetensors."""
+    return name.replace(f".{adapter}.", ".")

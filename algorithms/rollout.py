@@ -67,10 +67,12 @@ def generate(
     repeats: int = 1,
     greedy: bool = False,
     temperature: float | None = None,
+    synced: bool = False,
 ) -> RolloutBatch:
     """Sample ``repeats`` completions for each question (rows grouped by question).
 
     Sampling draws from torch's global generator, which the trainer seeds and checkpoints.
+    ``synced`` keeps every rank decoding until all are done, as a sharded model requires.
     """
     texts = [p for p in chat_prompts(tokenizer, questions) for _ in range(repeats)]
     device = next(model.parameters()).device
@@ -91,6 +93,7 @@ def generate(
         top_k=cfg.top_k if sampling else None,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced,
     )
     completion_ids = out[:, prompt_ids.shape[1] :]
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)

@@ -8,7 +8,6 @@ byte-level BPE is trained with the normalizer and pre-tokenizer that transformer
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -222,6 +221,7 @@ def _save_tokenizer(raw: Tokenizer, out: Path) -> PreTrainedTokenizerBase:
 def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     """Initialise the random-weight Qwen2 model for ``tokenizer`` and save it to ``out``."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
@@ -248,20 +248,12 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     # trained model's, so the distribution can be sharpened. Untied, so input embeddings keep
     # their small scale (scaled tied embeddings make the model echo its last input token).
     torch.nn.init.normal_(model.lm_head.weight, std=HEAD_INIT_STD)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
-    with _quiet_progress_bars():
-        model.save_pretrained(out, safe_serialization=True)
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """Hide transformers' progress bars for the duration, then restore the previous setting."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
+    # Written directly: save_pretrained writes nothing on a rank other than 0 once a process
+    # group exists, and any rank of a member may be the one that builds the cache.
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)

@@ -1,5 +1,30 @@
-"""Process groups and devices for a member's torchrun group (imported as ``pbt.distributed``)."""
+"""Process groups, FSDP2 sharding and gathered state for a member's torchrun group.
 
-from pbt.distributed.process_group import WorldInfo, pick_device, world_info
+Imported as ``pbt.distributed``; it knows nothing of GRPO.
+"""
 
-__all__ = ["WorldInfo", "pick_device", "world_info"]
+from pbt.distributed.process_group import (
+    CollectiveError,
+    WorldInfo,
+    all_gather_objects,
+    all_reduce,
+    barrier,
+    init_process_group,
+    is_distributed,
+    pick_device,
+    shutdown,
+    world_info,
+)
+
+__all__ = [
+    "CollectiveError",
+    "WorldInfo",
+    "all_gather_objects",
+    "all_reduce",
+    "barrier",
+    "init_process_group",
+    "is_distributed",
+    "pick_device",
+    "shutdown",
+    "world_info",
+]

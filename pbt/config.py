@@ -256,11 +256,15 @@ class DistributedConfig:
     fsdp: bool | dict[str, object] | None = None
     """``True`` for default FSDP2 sharding, a dict of ``FSDPConfig`` fields, or None for data
     parallel (each rank holds the whole model)."""
+    timeout_s: float = 600.0
+    """A collective waiting longer than this (a peer rank died or hung) fails the member with
+    an error instead of hanging it."""
 
     def check(self, prefix: str) -> list[str]:
-        if self.fsdp is None or isinstance(self.fsdp, bool):
-            return []
         problems: list[str] = []
+        _positive(problems, f"{prefix}.timeout_s", self.timeout_s)
+        if self.fsdp is None or isinstance(self.fsdp, bool):
+            return problems
         for key, value in self.fsdp.items():
             if key not in FSDP_FIELDS:
                 problems.append(

@@ -75,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float]:
-    """Train, evaluate and checkpoint one member; returns the summary figures."""
+    """Train, evaluate and checkpoint one member; returns the summary figures.
+
+    Under torchrun every rank runs this; only rank 0 prints and writes files.
+    """
     from transformers.utils import logging as hf_logging
 
     from pbt.algorithms.member import Member
-    from pbt.distributed import pick_device, world_info
+    from pbt.distributed import pick_device, shutdown, world_info
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -88,51 +91,81 @@ def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float
     member = Member(manifest, device)
     if resume:
         member.load(resume)
-    out = Path(manifest.training.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    say = print if world.rank == 0 else (lambda *a, **k: None)
-    say(_banner(manifest, member, device))
-    return _train_loop(manifest, member, out, say)
+    log = _RankZeroLog(Path(manifest.training.output_dir), world.rank == 0)
+    log.say(_banner(manifest, member, device))
+    try:
+        return _train_loop(manifest, member, log)
+    finally:
+        log.close()
+        shutdown()
+
+
+class _RankZeroLog:
+    """Progress lines on stdout and metrics in ``metrics.jsonl``, from rank 0 only."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out, self.enabled = out, enabled
+        self._file = None
+        if enabled:
+            out.mkdir(parents=True, exist_ok=True)
+            self._file = (out / "metrics.jsonl").open("a")
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def record(self, entry: dict[str, float]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def _banner(manifest: Manifest, member, device) -> str:
     task = member.task
+    world = member.world.world_size
+    sharding = "FSDP2" if member.fsdp else "data parallel"
+    ranks = f" x{world} ranks ({sharding})" if world > 1 else ""
     return (
         f"pbt-llm: {manifest.algorithm.name} on {manifest.model.name} with LoRA r={manifest.lora.r}, "
         f"task {task.name} ({len(task.train)} train / {len(task.eval)} held-out prompts), "
-        f"{manifest.training.steps} steps on {device}"
+        f"{manifest.training.steps} steps on {device}{ranks}"
     )
 
 
-def _train_loop(manifest: Manifest, member, out: Path, say) -> dict[str, float]:
+def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, float]:
     from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
 
     cfg = manifest.training
     learner, task = member.learner, member.task
     started = time.perf_counter()
-    first = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
-    say(f"eval  step {learner.step:>4}: held-out reward {first:.3f}")
-    last = first
-    with (out / "metrics.jsonl").open("a") as log:
-        while learner.step < cfg.steps:
-            metrics = learner.train_step(task.train, task.reward_fn)
-            log.write(json.dumps({"step": learner.step, **metrics}) + "\n")
-            if metrics["skipped"]:
-                say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
-            if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
-                say(_step_line(learner.step, cfg.steps, metrics))
-            if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
-                last = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
-                say(f"eval  step {learner.step:>4}: held-out reward {last:.3f}")
-                log.write(json.dumps({"step": learner.step, "eval_reward": last}) + "\n")
-    last = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+
+    def evaluate() -> float:
+        reward = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+        log.say(f"eval  step {learner.step:>4}: held-out reward {reward:.3f}")
+        log.record({"step": learner.step, "eval_reward": reward})
+        return reward
+
+    first = evaluate()
+    while learner.step < cfg.steps:
+        metrics = learner.train_step(task.train, task.reward_fn)
+        log.record({"step": learner.step, **metrics})
+        if metrics["skipped"]:
+            log.say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
+        if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
+            log.say(_step_line(learner.step, cfg.steps, metrics))
+        if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
+            evaluate()
+    last = evaluate()
     member.fitness.append(last)
-    digest = member.save(out / "checkpoint")
+    digest = member.save(log.out / "checkpoint")
     elapsed = time.perf_counter() - started
-    say(f"eval  step {learner.step:>4}: held-out reward {last:.3f}")
-    say(
+    log.say(
         f"done: held-out reward {first:.3f} -> {last:.3f} ({last - first:+.3f}) in {elapsed:.0f} s; "
-        f"checkpoint {out / 'checkpoint'} (sha256 {digest[:12]})"
+        f"checkpoint {log.out / 'checkpoint'} (sha256 {(digest or '')[:12]})"
     )
     return {"initial_reward": first, "final_reward": last, "seconds": elapsed}
 

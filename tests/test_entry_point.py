@@ -44,7 +44,7 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path):
     )
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     proc = _run(
-        [torchrun, "--nproc_per_node=1", "--master_port=0", "-m", "pbt.train", str(manifest)],
+        [torchrun, "--nproc_per_node=1", "--standalone", "-m", "pbt.train", str(manifest)],
         tmp_path,
     )
     assert "step    3/3" in proc.stdout

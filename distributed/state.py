@@ -1,0 +1,89 @@
+"""Gathered state: full tensors out of any world size, and back into any other.
+
+Sharded parameters (FSDP2 DTensors) are gathered with ``full_tensor()`` (a collective: every
+rank calls these functions) and scattered back by each rank keeping its own shard of the full
+tensor, with no communication. Plain tensors (data parallel, or one rank) pass through. The
+result is keyed by parameter name, so it does not depend on how many ranks saved it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor on the CPU (gathered when sharded)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().to("cpu").clone()
+
+
+def like(reference: Tensor, full: Tensor) -> Tensor:
+    """``full`` laid out like ``reference``: this rank's shard of it when ``reference`` is sharded."""
+    if isinstance(reference, DTensor):
+        local = full.to(device=reference.to_local().device, dtype=reference.dtype)
+        return distribute_tensor(
+            local, reference.device_mesh, reference.placements, src_data_rank=None
+        )
+    return full.to(device=reference.device, dtype=reference.dtype)
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every trainable parameter, in a fixed order."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def gather_parameters(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor]:
+    """Full CPU copies of the given parameters, by name."""
+    return {name: full_tensor(p) for name, p in named}
+
+
+@torch.no_grad()
+def load_parameters(named: list[tuple[str, nn.Parameter]], full: dict[str, Tensor]) -> None:
+    """Copy full tensors into the given parameters (each rank keeps its shard).
+
+    Raises:
+        KeyError: a parameter has no saved value, or a saved value has the wrong shape.
+    """
+    for name, p in named:
+        if name not in full:
+            raise KeyError(f"no saved value for {name}")
+        if tuple(full[name].shape) != tuple(p.shape):
+            raise KeyError(f"{name}: saved shape {tuple(full[name].shape)} != {tuple(p.shape)}")
+        p.copy_(like(p, full[name]))
+
+
+def gather_optimizer(
+    named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer's per-parameter state (full tensors, by name) and its group settings."""
+    state = {}
+    for name, p in named:
+        entry = optimizer.state.get(p, {})
+        state[name] = {k: full_tensor(v) if torch.is_tensor(v) else v for k, v in entry.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for g in groups:
+        g["betas"] = list(g["betas"]) if "betas" in g else None
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer(
+    named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+) -> None:
+    """Restore what :func:`gather_optimizer` returned into an optimizer over ``named``."""
+    for name, p in named:
+        entry = saved["state"].get(name)
+        if not entry:
+            continue
+        optimizer.state[p] = {
+            k: (v.to("cpu") if k == "step" else like(p, v)) if torch.is_tensor(v) else v
+            for k, v in entry.items()
+        }
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        for key, value in saved_group.items():
+            if value is not None:
+                group[key] = tuple(value) if key == "betas" else value
