@@ -25,7 +25,12 @@ from pbt.algorithms.tasks import Example, RewardFn
 from pbt.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from pbt.distributed import all_reduce, world_info
 from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
-from pbt.distributed.state import gather_optimizer, load_optimizer, trainable_parameters
+from pbt.distributed.state import (
+    OptimizerOffload,
+    gather_optimizer,
+    load_optimizer,
+    trainable_parameters,
+)
 from pbt.errors import ConfigError
 
 MUTABLE_HYPERPARAMETERS = ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm")
@@ -75,7 +80,6 @@ class GRPO:
         self.rank, self.world_size = world.rank, world.world_size
         self.device = next(model.parameters()).device
         self.defer_grad_sync = fsdp.defer_grad_sync if fsdp else False
-        self.optim_offload = bool(fsdp and fsdp.optim_cpu_offload and self.device.type == "cuda")
         self._check_world(self.algorithm)
         self.named_params = trainable_parameters(model)
         params = [p for _, p in self.named_params]
@@ -87,6 +91,9 @@ class GRPO:
             weight_decay=self.optim_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # Adam's moments on the host between steps; on a CPU run there is nothing to offload
+        offload = fsdp is not None and fsdp.optim_cpu_offload and self.device.type == "cuda"
+        self.offload = OptimizerOffload(self.optimizer, self.device) if offload else None
 
     def _check_world(self, algo: AlgorithmConfig) -> None:
         """The global batch must split evenly over the member's ranks."""
@@ -321,20 +328,19 @@ class GRPO:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self._move_optimizer_state(self.device)
+        self._state_to_device()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.optim_offload:
-            self._move_optimizer_state(torch.device("cpu"))
+        self._state_to_host()
         return float(norm)
 
-    def _move_optimizer_state(self, device: torch.device) -> None:
-        if not self.optim_offload:
-            return
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
+    def _state_to_device(self) -> None:
+        if self.offload is not None:
+            self.offload.to_device()
+
+    def _state_to_host(self) -> None:
+        if self.offload is not None:
+            self.offload.to_host()
 
     @torch.no_grad()
     def _logprobs_no_grad(self, batch: RolloutBatch) -> Tensor:
@@ -393,8 +399,11 @@ class GRPO:
 
         A collective under FSDP: every rank calls it.
         """
+        self._state_to_device()
+        optimizer = gather_optimizer(self.named_params, self.optimizer)
+        self._state_to_host()
         return {
-            "optimizer": gather_optimizer(self.named_params, self.optimizer),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "generator": self.generator.get_state(),
@@ -403,7 +412,7 @@ class GRPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, on any world size."""
         load_optimizer(self.named_params, self.optimizer, state["optimizer"])
-        self._move_optimizer_state(torch.device("cpu"))
+        self._state_to_host()
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])

@@ -1,8 +1,8 @@
 """FSDP2 for a member: the config, the sharding policy, and data-parallel gradient sync.
 
 The policy applies ``fully_shard`` to each transformer block (the classes the model names in
-``_no_split_modules``, so no architecture is hard-coded), then the input embeddings, then an
-untied output head, then the root. On CUDA parameters are computed in bfloat16 and gradients
+``_no_split_modules``, so no architecture is hard-coded), then the input embeddings and an
+untied output head, then the root. Tied embeddings stay in the root's group. On CUDA parameters are computed in bfloat16 and gradients
 reduced in float32.
 """
 
@@ -103,10 +103,14 @@ def shard_model(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in transformer_blocks(base):
         fully_shard(block, **kwargs)
-    fully_shard(base.get_input_embeddings(), **kwargs)
-    head = base.get_output_embeddings()
-    if head is not None and head.weight is not base.get_input_embeddings().weight:
-        fully_shard(head, **kwargs)
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight
+    # A tied embedding is used first and last: in its own group it would be resharded by the
+    # time the head needs it, so it stays with the root, which is gathered throughout.
+    if not tied:
+        fully_shard(embeddings, **kwargs)
+        if head is not None:
+            fully_shard(head, **kwargs)
     fully_shard(model, **kwargs)
     register_fsdp_forward_method(model, "generate")
     return model

@@ -87,3 +87,57 @@ def load_optimizer(
         for key, value in saved_group.items():
             if value is not None:
                 group[key] = tuple(value) if key == "betas" else value
+
+
+class OptimizerOffload:
+    """Keeps an optimizer's tensor state (Adam's moments) in pinned host memory between steps.
+
+    Copies are asynchronous on the current stream, so the step that follows a reload and the
+    offload that follows a step are ordered without a host synchronisation. A sharded state
+    tensor moves its local shard only: the DTensor is rebuilt around the moved shard with no
+    collective (DTensor ops cannot run on a CPU shard of a GPU mesh).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self._host: dict[tuple[int, str], Tensor] = {}
+
+    def to_host(self) -> None:
+        """Move the state to pinned host buffers (reused from step to step)."""
+        for p, state in self.optimizer.state.items():
+            for key, value in _tensor_state(state):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local.device.type == "cpu":
+                    continue
+                buf = self._host.get((id(p), key))
+                if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                    buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                    self._host[(id(p), key)] = buf
+                buf.copy_(local, non_blocking=True)
+                state[key] = _rewrap(value, buf)
+
+    def to_device(self) -> None:
+        """Bring the state back to the compute device."""
+        for _, state in self.optimizer.state.items():
+            for key, value in _tensor_state(state):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if local.device != self.device:
+                    state[key] = _rewrap(value, local.to(self.device, non_blocking=True))
+
+
+def _tensor_state(state: dict[str, Any]) -> list[tuple[str, Tensor]]:
+    return [(k, v) for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+
+
+def _rewrap(like_this: Tensor, local: Tensor) -> Tensor:
+    if isinstance(like_this, DTensor):
+        return DTensor.from_local(
+            local,
+            like_this.device_mesh,
+            like_this.placements,
+            run_check=False,
+            shape=like_this.shape,
+            stride=like_this.stride(),
+        )
+    return local
