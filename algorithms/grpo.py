@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from pbt.algorithms import losses
 from pbt.algorithms.rollout import RolloutBatch, generate, sequence_logprobs
 from pbt.algorithms.tasks import Example, RewardFn
-from pbt.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from pbt.config import MUTABLE_HYPERPARAMETERS, AlgorithmConfig, OptimConfig, RolloutConfig
 from pbt.distributed import all_reduce, world_info
 from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
 from pbt.distributed.state import (
@@ -32,9 +32,6 @@ from pbt.distributed.state import (
     trainable_parameters,
 )
 from pbt.errors import ConfigError
-
-MUTABLE_HYPERPARAMETERS = ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm")
-"""Hyperparameters a mutation may change between generations without breaking the run."""
 
 ZERO_SIGNAL_HINT = (
     "every group in this batch got identical rewards, so there is nothing to learn from and the "

@@ -23,6 +23,9 @@ FSDP_FIELDS: dict[str, bool] = {
 }
 """The fields of ``pbt.distributed.FSDPConfig`` and their defaults, for torch-free validation."""
 
+MUTABLE_HYPERPARAMETERS = ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm")
+"""GRPO hyperparameters a mutation may change between generations without breaking the run."""
+
 
 def _positive(problems: list[str], key: str, value: float, fix: str = "") -> None:
     if value <= 0:
@@ -314,6 +317,110 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PopulationConfig:
+    """The population of a campaign and how it is selected."""
+
+    size: int = 4
+    tournament_size: int = 2
+    elitism: bool = True
+    """Keep the best member unchanged into the next generation."""
+    fitness_window: int = 1
+    """Fitness is the mean of this many latest evaluations."""
+    evo_steps: int = 10
+    """Training steps of each member between two selections."""
+    init_sampler: Literal["none", "random"] = "none"
+    """``random`` draws each member's starting hyperparameters from the mutation ranges."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.size", self.size)
+        _positive(problems, f"{prefix}.evo_steps", self.evo_steps)
+        _positive(problems, f"{prefix}.fitness_window", self.fitness_window)
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class MutationConfig:
+    """How a selected parent's hyperparameters change in its child."""
+
+    no_mutation: float = 0.4
+    """Relative probability of leaving the child's hyperparameters as the parent's."""
+    rl_hp: float = 0.6
+    """Relative probability of changing one hyperparameter."""
+    mutate_elite: bool = False
+    resample_probability: float = 0.0
+    """Chance that a changed hyperparameter is drawn afresh from its range instead of scaled."""
+    ranges: dict[str, dict[str, object]] = field(
+        default_factory=lambda: {"lr": {"min": 1e-6, "max": 1e-2, "log": True}}
+    )
+    """Per hyperparameter: ``{min, max, grow_factor: 1.2, shrink_factor: 0.8, log, dtype}``;
+    by default only the learning rate mutates."""
+
+    def check(self, prefix: str) -> list[str]:
+        return []  # validated by pbt.mutation.Mutations when the manifest is loaded
+
+
+@dataclass(kw_only=True, slots=True)
+class BudgetConfig:
+    """When a campaign stops: the first limit reached."""
+
+    generations: int = 3
+    total_steps: int | None = None
+    """Training steps summed over all members."""
+    wall_time_s: float | None = None
+    gpu_hours: float | None = None
+    target_fitness: float | None = None
+    """Stop as soon as the best member reaches this fitness."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.generations", self.generations)
+        for key in ("total_steps", "wall_time_s", "gpu_hours"):
+            value = getattr(self, key)
+            if value is not None:
+                _positive(problems, f"{prefix}.{key}", value)
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """How member tasks are run."""
+
+    gpus_per_member: int = 0
+    """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
+    nproc_per_member: int = 1
+    """Ranks per member when ``gpus_per_member`` is 0 (CPU processes)."""
+    slots: int = 1
+    """Members trained at once; more wait in a queue."""
+    gpu_ids: list[int] | None = None
+    """GPUs the campaign may use; default ``0 .. slots * gpus_per_member - 1``."""
+    max_attempts: int = 2
+    """Attempts of a failing member before it is replaced by a clone of the elite."""
+    heartbeat_timeout_s: float = 300.0
+    task_timeout_s: float | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Processes in each member's torchrun group (derived)."""
+        return self.gpus_per_member or self.nproc_per_member
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.gpus_per_member < 0:
+            problems.append(f"{prefix}.gpus_per_member ({self.gpus_per_member}) must be >= 0")
+        _positive(problems, f"{prefix}.nproc_per_member", self.nproc_per_member)
+        _positive(problems, f"{prefix}.slots", self.slots)
+        _positive(problems, f"{prefix}.max_attempts", self.max_attempts)
+        _positive(problems, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.gpu_ids is not None and len(self.gpu_ids) < self.slots * self.gpus_per_member:
+            problems.append(
+                f"{prefix}.gpu_ids has {len(self.gpu_ids)} GPUs but slots * gpus_per_member = "
+                f"{self.slots * self.gpus_per_member}; list more GPUs or lower slots"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
 class Manifest:
     """A whole run, composed of the component configs."""
 
@@ -325,6 +432,10 @@ class Manifest:
     task: TaskConfig = field(default_factory=TaskConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    mutation: MutationConfig = field(default_factory=MutationConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     base_dir: str = "."
     """Folder of the manifest file; relative paths in it resolve against this (set by the loader)."""
 

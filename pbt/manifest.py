@@ -36,6 +36,10 @@ INIT_HP_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
     "MIN_OUTPUT_TOKENS": (("rollout", "min_output_tokens"),),
     "FSDP": (("distributed", "fsdp"),),
     "SEED": (("training", "seed"),),
+    "POP_SIZE": (("population", "size"),),
+    "TOURNAMENT_SIZE": (("population", "tournament_size"),),
+    "ELITISM": (("population", "elitism"),),
+    "EVO_STEPS": (("population", "evo_steps"),),
 }
 
 
@@ -80,6 +84,10 @@ def manifest_from_dict(
         # Fields that failed their type check kept their defaults, so the value rules below
         # report only real problems; every problem still comes out in one error.
         problems += manifest.check()
+        if not problems:
+            from pbt.populate import check_campaign  # selection and mutation rules
+
+            problems += check_campaign(manifest)
     if problems:
         raise ConfigError(problems, source)
     assert manifest is not None

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -86,6 +87,10 @@ def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # peft asks transformers a deprecated question on every adapter load; not the user's concern
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+    )
     world = world_info()
     device = pick_device(manifest.training.device, world.local_rank)
     member = Member(manifest, device)

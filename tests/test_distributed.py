@@ -15,7 +15,7 @@ import torch
 
 from pbt.errors import ConfigError
 
-DRIVER = Path(__file__).parent / "dist" / "driver.py"
+DRIVER = Path(__file__).parent / "drivers" / "grpo_driver.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TOL = 1e-5  # float32 sums in a different order: losses agree to ~1e-7 in practice
 

@@ -1,0 +1,412 @@
+"""A campaign: generations of members, each trained as its own torchrun group, then selected
+and mutated, until the budget is spent. Resumable from its directory after any crash.
+
+Directory layout::
+
+    <campaign>/store.db           the campaign store (config, members, lineage, faults, RNG)
+    <campaign>/controller.lock    held by the one controller running this campaign
+    <campaign>/tasks/<member>/    task.json, heartbeat, result.json
+    <campaign>/logs/<member>.attempt<k>.log
+    <campaign>/checkpoints/<member>/
+
+Each generation boundary is one store transaction that also carries the controller's RNG state,
+so a resumed campaign makes exactly the decisions an uninterrupted one would. This module
+imports no torch: members are separate processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pbt.config import Manifest
+from pbt.errors import PbtError
+from pbt.launch import LocalLauncher, Outcome, TaskSpec, write_json_atomic
+from pbt.manifest import manifest_from_dict
+from pbt.populate import build_mutations, build_selection, create_population
+from pbt.population import MemberRecord
+from pbt.store import STORE_FILENAME, CampaignStore
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """How a campaign ended."""
+
+    generations: int
+    best_member: str
+    best_fitness: float
+    best_checkpoint: str
+    stop_reason: str
+
+
+class Campaign:
+    """One campaign directory, driven by one controller at a time.
+
+    Use :meth:`start` for a new campaign and :meth:`resume` to continue one.
+    """
+
+    def __init__(
+        self, directory: Path, raw: dict[str, Any], member_command: list[str] | None = None
+    ) -> None:
+        self.dir = directory
+        self.raw = raw
+        self.manifest: Manifest = manifest_from_dict(raw["manifest"], base_dir=raw["base_dir"])
+        self._lock = _acquire_lock(directory / "controller.lock")
+        self.store = CampaignStore(directory / STORE_FILENAME)
+        self.selection = build_selection(self.manifest)
+        self.mutations = build_mutations(self.manifest)
+        self.member_command = member_command
+        self.say = print
+
+    # -- creation and resume ---------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        manifest_path: str | Path,
+        directory: str | Path,
+        member_command: list[str] | None = None,
+    ) -> Campaign:
+        """Create ``directory`` as a new campaign from a manifest file and build generation 0.
+
+        Raises:
+            PbtError: the directory already holds a campaign (use resume) or is not empty.
+        """
+        directory = Path(directory)
+        if (directory / STORE_FILENAME).exists():
+            raise PbtError(
+                f"{directory} already holds a campaign; continue it with: pbt resume {directory}"
+            )
+        if directory.exists() and any(directory.iterdir()):
+            raise PbtError(f"{directory} is not empty; choose a new campaign directory")
+        path = Path(manifest_path)
+        raw = {
+            "manifest": yaml.safe_load(path.read_text()) or {},
+            "base_dir": str(path.resolve().parent),
+        }
+        manifest_from_dict(
+            raw["manifest"], base_dir=raw["base_dir"]
+        )  # validate before creating anything
+        directory.mkdir(parents=True, exist_ok=True)
+        campaign = cls(directory, raw, member_command)
+        campaign.store.save_config(raw)
+        (directory / "manifest.yaml").write_text(path.read_text())
+        rng = random.Random(campaign.manifest.training.seed)
+        members = create_population(manifest=campaign.manifest, rng=rng)
+        events = [
+            {
+                "generation": 0,
+                "member_id": m.member_id,
+                "parent_id": None,
+                "kind": "create",
+                "detail": json.dumps(m.hyperparameters),
+            }
+            for m in members
+        ]
+        campaign.store.commit_generation(
+            -1, [], members, events, _controller_state(rng, 0.0, 0.0), None
+        )
+        return campaign
+
+    @classmethod
+    def resume(cls, directory: str | Path, member_command: list[str] | None = None) -> Campaign:
+        """Open an existing campaign to continue it from its last committed generation.
+
+        Raises:
+            PbtError: no campaign there, or another controller holds it.
+        """
+        directory = Path(directory)
+        if not (directory / STORE_FILENAME).exists():
+            raise PbtError(
+                f"{directory} holds no campaign (no store.db); start one with: pbt run MANIFEST --dir {directory}"
+            )
+        with CampaignStore(directory / STORE_FILENAME) as store:
+            raw = store.load_config()
+        if raw is None:
+            raise PbtError(
+                f"{directory}/store.db has no configuration: the campaign was never created"
+            )
+        return cls(directory, raw, member_command)
+
+    def close(self) -> None:
+        """Release the store and the controller lock."""
+        self.store.close()
+        self._lock.close()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        """Train generation after generation until the budget is spent; returns the best member."""
+        last = self.store.last_committed_generation()
+        state = self.store.controller_state(last)
+        rng = random.Random()
+        rng.setstate(_rng_from_json(state["rng"]))
+        elapsed, gpu_seconds = state["elapsed_s"], state["gpu_seconds"]
+        generation = last + 1
+        self._collect_garbage()
+        while True:
+            started = time.monotonic()
+            gpu_seconds += self._train_generation(generation)
+            elapsed += time.monotonic() - started
+            finished = self.store.members(generation)
+            best = max(finished, key=lambda m: m.fitness(self.manifest.population.fitness_window))
+            reason = self._stop_reason(generation, finished, elapsed, gpu_seconds)
+            next_members, events = (
+                ([], []) if reason else self._next_generation(generation, finished, rng)
+            )
+            best_pair = (best.member_id, best.fitness(self.manifest.population.fitness_window))
+            self.store.commit_generation(
+                generation,
+                finished,
+                next_members,
+                events,
+                _controller_state(rng, elapsed, gpu_seconds),
+                best_pair,
+            )
+            self.say(
+                f"generation {generation} committed: best {best.member_id} fitness {best_pair[1]:.3f}"
+            )
+            self._collect_garbage()
+            if reason:
+                overall = self.store.best()
+                record = self.store.member(overall[0])
+                return Summary(
+                    generation + 1, overall[0], overall[1], record.checkpoint or "", reason
+                )
+            generation += 1
+
+    def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
+        selected = self.selection.select(finished, rng)
+        mutated = self.mutations.mutate_population(selected, rng)
+        members, events = [], []
+        for i, (sel, (hp, desc)) in enumerate(zip(selected, mutated, strict=True)):
+            child = MemberRecord(
+                member_id=f"g{generation + 1:03d}-m{i:02d}",
+                generation=generation + 1,
+                parent_id=sel.parent.member_id,
+                parent_checkpoint=sel.parent.checkpoint,
+                hyperparameters=hp,
+                mutation=desc,
+                fitness_history=list(sel.parent.fitness_history),
+                steps=sel.parent.steps,
+            )
+            kind = "elite" if sel.is_elite else ("clone" if desc.startswith("none") else "mutate")
+            members.append(child)
+            events.append(
+                {
+                    "generation": generation + 1,
+                    "member_id": child.member_id,
+                    "parent_id": sel.parent.member_id,
+                    "kind": kind,
+                    "detail": desc,
+                }
+            )
+        return members, events
+
+    def _stop_reason(
+        self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
+    ) -> str:
+        budget = self.manifest.budget
+        best = max(m.fitness(self.manifest.population.fitness_window) for m in finished)
+        total_steps = sum(
+            m.steps
+            for m in self.store.members()
+            if m.status == "done" and m.generation <= generation
+        )
+        checks = [
+            (generation + 1 >= budget.generations, f"{budget.generations} generations done"),
+            (
+                budget.target_fitness is not None and best >= budget.target_fitness,
+                f"target fitness {budget.target_fitness} reached",
+            ),
+            (
+                budget.total_steps is not None and total_steps >= budget.total_steps,
+                f"{budget.total_steps} total steps done",
+            ),
+            (
+                budget.wall_time_s is not None and elapsed >= budget.wall_time_s,
+                f"wall time {budget.wall_time_s} s spent",
+            ),
+            (
+                budget.gpu_hours is not None and gpu_seconds / 3600 >= budget.gpu_hours,
+                f"{budget.gpu_hours} GPU-hours spent",
+            ),
+        ]
+        return next((reason for hit, reason in checks if hit), "")
+
+    # -- one generation --------------------------------------------------------------------
+
+    def _train_generation(self, generation: int) -> float:
+        """Train every unfinished member of ``generation``; returns GPU-seconds used."""
+        launch = self.manifest.launch
+        gpu_seconds = 0.0
+        pending = [m for m in self.store.members(generation) if m.status != "done"]
+        total = len(self.store.members(generation))
+        self.say(f"generation {generation}: training {len(pending)} of {total} members")
+        while pending:
+            for m in pending:
+                m.attempts += 1
+                m.status = "running"
+                self.store.update_member(m)
+            outcomes = self._launcher().run([self._task(m) for m in pending])
+            retry = []
+            for m, outcome in zip(pending, outcomes, strict=True):
+                gpu_seconds += outcome.seconds * launch.gpus_per_member
+                if outcome.status == "ok":
+                    self._record_success(m, outcome)
+                elif m.attempts < launch.max_attempts:
+                    self._record_fault(m, outcome, "retrying")
+                    retry.append(m)
+                else:
+                    self._record_fault(m, outcome, "replacing")
+                    self._replace(m, generation)
+            pending = retry
+        return gpu_seconds
+
+    def _task(self, m: MemberRecord) -> TaskSpec:
+        task_dir = self.dir / "tasks" / m.member_id
+        task_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            task_dir / "task.json",
+            {
+                "campaign_dir": str(self.dir.resolve()),
+                "manifest": self.raw["manifest"] | {"training": self._training_section()},
+                "manifest_base_dir": self.raw["base_dir"],
+                "member_id": m.member_id,
+                "generation": m.generation,
+                "parent_id": m.parent_id,
+                "parent_checkpoint": m.parent_checkpoint,
+                "hyperparameters": m.hyperparameters,
+                "mutation": m.mutation,
+                "steps": self.manifest.population.evo_steps,
+                "checkpoint": f"checkpoints/{m.member_id}",
+            },
+        )
+        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return TaskSpec(
+            task_id=m.member_id, task_dir=task_dir, log_path=log, nproc=self.manifest.launch.ranks
+        )
+
+    def _training_section(self) -> dict[str, Any]:
+        """The members' schedule spans the whole campaign, not one generation."""
+        training = asdict(self.manifest.training)
+        training["steps"] = self.manifest.budget.generations * self.manifest.population.evo_steps
+        return training
+
+    def _launcher(self) -> LocalLauncher:
+        launch = self.manifest.launch
+        command = self.member_command or [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            "--master_port={port}",
+            "-m",
+            "pbt.worker",
+        ]
+        env = {}
+        if launch.gpus_per_member == 0 and "OMP_NUM_THREADS" not in os.environ:
+            # CPU members share the cores: oversubscribed threads slow every member down
+            env["OMP_NUM_THREADS"] = str(
+                max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks))
+            )
+        return LocalLauncher(
+            command,
+            slots=launch.slots,
+            gpus_per_member=launch.gpus_per_member,
+            gpu_ids=launch.gpu_ids,
+            heartbeat_timeout_s=launch.heartbeat_timeout_s,
+            task_timeout_s=launch.task_timeout_s,
+            env=env,
+        )
+
+    def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
+        result = outcome.result or {}
+        m.status = "done"
+        m.checkpoint = result["checkpoint"]
+        m.checkpoint_digest = result.get("digest")
+        m.fitness_history = [*m.fitness_history, float(result["fitness"])]
+        m.steps = int(result["steps"])
+        self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
+        self.store.update_member(m)
+        self.say(
+            f"  {m.member_id} done: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) in {outcome.seconds:.0f} s"
+        )
+
+    def _record_fault(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
+        self.store.record_fault(
+            m.generation, m.member_id, m.attempts, outcome.status, outcome.detail
+        )
+        m.status = "failed"
+        self.store.update_member(m)
+        self.say(
+            f"  {m.member_id} attempt {m.attempts} {outcome.status}: {outcome.detail.splitlines()[0] if outcome.detail else ''}; {action}"
+        )
+
+    def _replace(self, m: MemberRecord, generation: int) -> None:
+        """After its last failed attempt, a member becomes a clone of the generation's best
+        finished member, or of its own parent when none has finished."""
+        done = [x for x in self.store.members(generation) if x.status == "done"]
+        window = self.manifest.population.fitness_window
+        if done:
+            source = max(done, key=lambda x: x.fitness(window))
+            m.checkpoint, m.checkpoint_digest = source.checkpoint, source.checkpoint_digest
+            m.fitness_history, m.steps = list(source.fitness_history), source.steps
+            m.hyperparameters = dict(source.hyperparameters)
+            detail = f"replaced by a clone of {source.member_id} after {m.attempts} failed attempts"
+        elif m.parent_checkpoint:
+            m.checkpoint = m.parent_checkpoint
+            detail = f"replaced by its parent {m.parent_id} after {m.attempts} failed attempts"
+        else:
+            raise PbtError(
+                f"{m.member_id} failed {m.attempts} times and no member of generation {generation} "
+                f"finished to replace it; see {self.dir / 'logs'}"
+            )
+        m.status, m.mutation = "done", detail
+        self.store.update_member(m)
+        self.store.record_fault(generation, m.member_id, m.attempts, "replaced", detail)
+        self.say(f"  {m.member_id} {detail}")
+
+    def _collect_garbage(self) -> None:
+        """Delete checkpoints nothing references any more (disk stays bounded)."""
+        for path in self.store.unreferenced_checkpoints():
+            shutil.rmtree(self.dir / path, ignore_errors=True)
+            self.store.forget_checkpoint(path)
+
+
+def _acquire_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise PbtError(f"another controller is running this campaign ({path} is locked)") from None
+    return handle
+
+
+def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:
+    version, internal, gauss = rng.getstate()
+    return {
+        "rng": [version, list(internal), gauss],
+        "elapsed_s": elapsed,
+        "gpu_seconds": gpu_seconds,
+    }
+
+
+def _rng_from_json(state: list[Any]) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)

@@ -1,0 +1,400 @@
+"""Run member tasks as process groups and read back what they report: no torch here.
+
+The protocol, all JSON files in one task directory, all written atomically:
+
+- the controller writes ``task.json``; the member gets its path as its last argument;
+- the member touches ``heartbeat`` every few seconds while alive (:class:`Heartbeat`);
+- on success the member writes ``result.json`` with at least ``{"status": "ok"}``.
+
+:class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
+the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
+rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pbt.errors import PbtError
+
+KILL_GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
+LOG_TAIL_LINES = 20
+
+OutcomeStatus = Literal["ok", "failed", "timeout", "no_heartbeat", "no_result", "bad_result"]
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable; not every filesystem allows it
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when the file is missing, truncated or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+class Heartbeat:
+    """Touch ``path`` now and every ``interval_s`` seconds from a daemon thread, until exit.
+
+    Used as ``with Heartbeat(task_dir / "heartbeat"): ...`` by the member (rank 0).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], interval_s: float = 2.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"Heartbeat interval_s ({interval_s}) must be > 0")
+        self.path = Path(path)
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        """Touch the file once; a vanished directory is not worth killing the member for."""
+        with contextlib.suppress(OSError):
+            self.path.touch()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def __enter__(self) -> Heartbeat:
+        self.beat()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="pbt-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One attempt at one member task."""
+
+    task_id: str
+    task_dir: Path
+    """Holds ``task.json`` (written by the caller); ``result.json`` and ``heartbeat`` go here."""
+    log_path: Path
+    """Receives this attempt's stdout and stderr."""
+    nproc: int = 1
+    """Processes (ranks) in the task's torchrun group."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one task attempt ended."""
+
+    task_id: str
+    status: OutcomeStatus
+    returncode: int | None
+    result: dict[str, Any] | None
+    detail: str
+    """In words: exit code or signal, seconds without heartbeat, the last lines of the log."""
+    seconds: float
+
+
+@dataclass
+class _Running:
+    index: int
+    task: TaskSpec
+    slot: int
+    port: int
+    proc: subprocess.Popen[bytes]
+    started: float  # time.monotonic()
+    started_wall: float  # time.time(), to compare with the heartbeat's mtime
+
+
+class LocalLauncher:
+    """Run tasks as local process groups, at most ``slots`` at once, in FIFO order.
+
+    Args:
+        command: program prefix; ``{nproc}`` and ``{port}`` are replaced per task, and the path
+            of ``task.json`` is appended.
+        slots: tasks run at once.
+        gpus_per_member: GPUs per slot; 0 runs members on the CPU (``CUDA_VISIBLE_DEVICES=""``).
+        gpu_ids: GPUs to split into slots; default ``0 .. slots * gpus_per_member - 1``.
+        heartbeat_timeout_s: a task whose heartbeat is older than this (or missing this long
+            after start) is killed.
+        task_timeout_s: a task running longer than this is killed; None: no limit.
+        poll_s: seconds between checks of the running tasks.
+        base_port: slot ``i`` gets rendezvous port ``base_port + 10 * i`` (or the next free one).
+        env: variables added to the inherited environment.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        slots: int,
+        gpus_per_member: int = 0,
+        gpu_ids: list[int] | None = None,
+        heartbeat_timeout_s: float = 120.0,
+        task_timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        base_port: int = 29600,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        ids = list(range(slots * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
+        positive = {"slots": slots, "heartbeat_timeout_s": heartbeat_timeout_s, "poll_s": poll_s}
+        positive["task_timeout_s"] = 1 if task_timeout_s is None else task_timeout_s
+        problems = [f"{key} ({value}) must be > 0" for key, value in positive.items() if value <= 0]
+        if not command:
+            problems.append("command is empty; give the program to run, e.g. torchrun's argv")
+        if gpus_per_member < 0:
+            problems.append(f"gpus_per_member ({gpus_per_member}) must be >= 0")
+        elif len(set(ids)) != len(ids) or len(ids) < slots * gpus_per_member:
+            problems.append(
+                f"gpu_ids ({ids}) must be slots ({slots}) x gpus_per_member ({gpus_per_member}) "
+                "distinct GPUs or more; lower slots or list more GPUs"
+            )
+        if problems:
+            raise ValueError("LocalLauncher: " + "; ".join(problems))
+        self.command, self.slots, self.gpus_per_member = list(command), slots, gpus_per_member
+        self.heartbeat_timeout_s, self.task_timeout_s = heartbeat_timeout_s, task_timeout_s
+        self.poll_s, self.base_port, self.env = poll_s, base_port, dict(env or {})
+        self.slot_gpus = [
+            ",".join(str(g) for g in ids[i * gpus_per_member : (i + 1) * gpus_per_member])
+            for i in range(slots)
+        ]
+        """``CUDA_VISIBLE_DEVICES`` of each slot ("" on CPU)."""
+
+    def run(
+        self,
+        tasks: list[TaskSpec],
+        on_start: Callable[[TaskSpec, int], object] | None = None,
+        on_done: Callable[[Outcome], object] | None = None,
+    ) -> list[Outcome]:
+        """Run every task and return their outcomes in the order of ``tasks``.
+
+        ``on_start(task, slot)`` and ``on_done(outcome)`` are called from this thread as tasks
+        start and end. On any exception (KeyboardInterrupt included) every running process group
+        is killed before it propagates.
+        """
+        self._check_tasks(tasks)
+        queue = collections.deque(enumerate(tasks))
+        free = list(range(self.slots))
+        running: list[_Running] = []
+        outcomes: dict[int, Outcome] = {}
+        try:
+            while queue or running:
+                while queue and free:
+                    index, task = queue.popleft()
+                    slot = free.pop(0)
+                    running.append(self._start(index, task, slot, {r.port for r in running}))
+                    if on_start is not None:
+                        on_start(task, slot)
+                for item in list(running):
+                    outcome = self._check(item)
+                    if outcome is None:
+                        continue
+                    running.remove(item)
+                    free = sorted([*free, item.slot])
+                    outcomes[item.index] = outcome
+                    if on_done is not None:
+                        on_done(outcome)
+                if running:
+                    time.sleep(self.poll_s)
+        except BaseException:
+            _kill_groups([item.proc for item in running])
+            raise
+        return [outcomes[i] for i in range(len(tasks))]
+
+    def _check_tasks(self, tasks: list[TaskSpec]) -> None:
+        dirs = [Path(t.task_dir).resolve() for t in tasks]
+        if len(set(dirs)) != len(dirs):
+            raise ValueError("tasks share a task_dir; give each task its own directory")
+        for task in tasks:
+            if not (Path(task.task_dir) / "task.json").is_file():
+                raise PbtError(
+                    f"task {task.task_id}: {task.task_dir}/task.json does not exist; write it before run()"
+                )
+            if task.nproc < 1:
+                raise ValueError(f"task {task.task_id}: nproc ({task.nproc}) must be >= 1")
+
+    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
+        """Clear the previous attempt's files and start the task's process group."""
+        task_dir = Path(task.task_dir)
+        for stale in ("result.json", "heartbeat"):
+            (task_dir / stale).unlink(missing_ok=True)
+        port = self._pick_port(slot, taken_ports)
+        argv = [
+            a.replace("{nproc}", str(task.nproc)).replace("{port}", str(port)) for a in self.command
+        ]
+        argv.append(str(task_dir / "task.json"))
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
+        env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
+        Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(task.log_path, "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
+
+    def _pick_port(self, slot: int, taken: set[int]) -> int:
+        first = self.base_port + 10 * slot
+        for port in range(first, min(first + 1000, 65536)):
+            if port not in taken and _port_is_free(port):
+                return port
+        raise PbtError(
+            f"no free port in {first}..{first + 999} on 127.0.0.1; set another base_port"
+        )
+
+    def _check(self, item: _Running) -> Outcome | None:
+        """The task's outcome if it has ended (or was killed just now), else None."""
+        returncode = item.proc.poll()
+        if returncode is not None:
+            _kill_groups([item.proc])  # stragglers the leader left behind
+            return self._outcome(item, returncode, *_classify_exit(item.task.task_dir, returncode))
+        overdue = self._overdue(item)
+        if overdue is None:
+            return None
+        status, reason = overdue
+        (returncode,) = _kill_groups([item.proc])
+        return self._outcome(
+            item, returncode, status, None, f"{reason}; {_describe_exit(returncode)}"
+        )
+
+    def _overdue(self, item: _Running) -> tuple[OutcomeStatus, str] | None:
+        """Why a still-running task must be killed now, or None."""
+        elapsed = time.monotonic() - item.started
+        if self.task_timeout_s is not None and elapsed > self.task_timeout_s:
+            return "timeout", f"ran {elapsed:.1f} s > task_timeout_s {self.task_timeout_s:g}"
+        silent = time.time() - _last_beat(Path(item.task.task_dir) / "heartbeat", item.started_wall)
+        if silent > self.heartbeat_timeout_s:
+            limit = self.heartbeat_timeout_s
+            return (
+                "no_heartbeat",
+                f"no heartbeat for {silent:.1f} s > heartbeat_timeout_s {limit:g}",
+            )
+        return None
+
+    def _outcome(
+        self,
+        item: _Running,
+        returncode: int,
+        status: OutcomeStatus,
+        result: dict[str, Any] | None,
+        detail: str,
+    ) -> Outcome:
+        tail = _log_tail(Path(item.task.log_path)) if status != "ok" else ""
+        if tail:
+            detail = f"{detail}\n--- last lines of {item.task.log_path} ---\n{tail}"
+        seconds = time.monotonic() - item.started
+        return Outcome(item.task.task_id, status, returncode, result, detail, seconds)
+
+
+def _classify_exit(
+    task_dir: Path, returncode: int
+) -> tuple[OutcomeStatus, dict[str, Any] | None, str]:
+    """Status, result and detail of a task that exited by itself."""
+    if returncode != 0:
+        return "failed", None, _describe_exit(returncode)
+    path = Path(task_dir) / "result.json"
+    result = read_json(path)
+    if result is None and path.exists():
+        return "bad_result", None, "result.json is truncated or not a JSON object"
+    if result is None:
+        return "no_result", None, "exited 0 without writing result.json"
+    if result.get("status") != "ok":
+        return "bad_result", result, f"result status is {result.get('status')!r}, not 'ok'"
+    return "ok", result, "exit code 0"
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _last_beat(path: Path, started_wall: float) -> float:
+    """Wall time of the last heartbeat; the start time while there has been none."""
+    try:
+        return max(path.stat().st_mtime, started_wall)
+    except OSError:
+        return started_wall
+
+
+def _kill_groups(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
+
+    The groups share one grace period, so stopping many tasks takes no longer than one.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left in the group, leader or not
+    return [proc.wait() for proc in procs]
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_bytes()[-64 * 1024 :].decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,138 @@
+"""Build a population from ``INIT_HP`` (or a manifest), and its selection and mutation.
+
+``create_population`` is the public Python API; ``pbt run`` uses the same call. It loads no
+model: it returns member records whose hyperparameters the members apply when they start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from pbt.config import MUTABLE_HYPERPARAMETERS, Manifest
+from pbt.errors import ConfigError
+from pbt.manifest import manifest_from_dict
+from pbt.mutation import HPRange, Mutations
+from pbt.population import MemberRecord
+from pbt.selection import TournamentSelection
+
+
+def base_hyperparameters(manifest: Manifest) -> dict[str, float]:
+    """The mutable hyperparameters' starting values, as the manifest sets them."""
+    return {
+        "lr": manifest.optim.lr,
+        "beta": manifest.algorithm.beta,
+        "clip_low": manifest.algorithm.clip_low,
+        "clip_high": manifest.algorithm.clip_high,
+        "temperature": manifest.rollout.temperature,
+        "max_grad_norm": manifest.optim.max_grad_norm,
+    }
+
+
+def hp_ranges(manifest: Manifest) -> dict[str, HPRange]:
+    """The mutation ranges of the manifest, typed and checked.
+
+    Raises:
+        ConfigError: a range names a hyperparameter that cannot mutate, or has bad fields.
+    """
+    ranges, problems = _typed_ranges(manifest)
+    for name, r in sorted(ranges.items()):
+        problems += r.check(f"mutation.ranges.{name}")
+    if problems:
+        raise ConfigError(problems)
+    return ranges
+
+
+def _typed_ranges(manifest: Manifest) -> tuple[dict[str, HPRange], list[str]]:
+    problems: list[str] = []
+    ranges: dict[str, HPRange] = {}
+    fields = {f.name for f in dataclasses.fields(HPRange)}
+    optional = ", ".join(sorted(fields - {"min", "max"}))
+    for name, spec in manifest.mutation.ranges.items():
+        key = f"mutation.ranges.{name}"
+        if name not in MUTABLE_HYPERPARAMETERS:
+            problems.append(
+                f"{key} is not a mutable hyperparameter; mutable: {', '.join(MUTABLE_HYPERPARAMETERS)}"
+            )
+        elif not isinstance(spec, dict) or not {"min", "max"} <= set(spec) or set(spec) - fields:
+            problems.append(
+                f"{key} ({spec!r}) must be a mapping with min and max (optional: {optional})"
+            )
+        else:
+            ranges[name] = HPRange(**spec)
+    return ranges, problems
+
+
+def build_selection(manifest: Manifest) -> TournamentSelection:
+    """Tournament selection as the manifest's population section says."""
+    pop = manifest.population
+    return TournamentSelection(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
+
+
+def build_mutations(manifest: Manifest) -> Mutations:
+    """Mutations as the manifest's mutation section says."""
+    mut = manifest.mutation
+    return Mutations(
+        hp_ranges(manifest), mut.no_mutation, mut.rl_hp, mut.mutate_elite, mut.resample_probability
+    )
+
+
+def check_campaign(manifest: Manifest) -> list[str]:
+    """Problems of the campaign sections that only the selection and mutation rules see."""
+    problems: list[str] = []
+    for build in (build_selection, build_mutations):
+        try:
+            build(manifest)
+        except ConfigError as err:
+            problems += err.problems
+    return problems
+
+
+def create_population(
+    INIT_HP: dict[str, Any] | None = None,
+    *,
+    manifest: Manifest | None = None,
+    population_size: int | None = None,
+    hp_config: dict[str, dict[str, Any]] | None = None,
+    init_sampler: str | None = None,
+    rng: random.Random | None = None,
+) -> list[MemberRecord]:
+    """The members of generation 0.
+
+    Args:
+        INIT_HP: AgileRL-style hyperparameters (``LR``, ``GROUP_SIZE``, ``POP_SIZE``, ``FSDP``,
+            ...); used when ``manifest`` is not given.
+        manifest: a validated manifest (what ``pbt run`` passes).
+        population_size: overrides ``population.size``.
+        hp_config: mutation ranges, ``{name: {min, max, ...}}``; overrides ``mutation.ranges``.
+        init_sampler: ``none`` (every member starts from the manifest's values) or ``random``
+            (each member's values drawn from the ranges, log-uniformly where a range says so).
+        rng: the generator for sampling; seeded from ``training.seed`` when omitted.
+
+    Raises:
+        ConfigError: any bad key or value, all reported together.
+    """
+    if manifest is None:
+        manifest = manifest_from_dict({"INIT_HP": dict(INIT_HP or {})})
+    if population_size is not None:
+        manifest.population = dataclasses.replace(manifest.population, size=population_size)
+    if hp_config is not None:
+        manifest.mutation = dataclasses.replace(manifest.mutation, ranges=dict(hp_config))
+    if init_sampler is not None:
+        manifest.population = dataclasses.replace(manifest.population, init_sampler=init_sampler)
+    problems = manifest.population.check("population") + check_campaign(manifest)
+    if problems:
+        raise ConfigError(problems)
+    rng = rng or random.Random(manifest.training.seed)
+    ranges = hp_ranges(manifest)
+    base = base_hyperparameters(manifest)
+    members = []
+    for i in range(manifest.population.size):
+        values = dict(base)
+        if manifest.population.init_sampler == "random":
+            values |= {name: r.clip_cast(r.resample(rng)) for name, r in sorted(ranges.items())}
+        members.append(
+            MemberRecord(member_id=f"g000-m{i:02d}", generation=0, hyperparameters=values)
+        )
+    return members

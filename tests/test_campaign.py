@@ -1,0 +1,201 @@
+"""The controller with a small fake member program: selection, mutation, lineage, resume,
+lock, retries, replacement and garbage collection, in seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pbt.campaign import Campaign
+from pbt.errors import PbtError
+from pbt.report import lineage_png, lineage_text, status_text
+from pbt.store import CampaignStore
+
+FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
+
+MANIFEST = {
+    "INIT_HP": {"POP_SIZE": 4, "TOURNAMENT_SIZE": 2, "ELITISM": True, "EVO_STEPS": 3, "LR": 1e-4},
+    "population": {"init_sampler": "random"},
+    "mutation": {
+        "no_mutation": 0.2,
+        "rl_hp": 0.8,
+        "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}},
+    },
+    "budget": {"generations": 5},
+    "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 5},
+    "training": {"seed": 7},
+}
+
+
+def _manifest(tmp_path: Path, **changes) -> Path:
+    data = json.loads(json.dumps(MANIFEST))
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _run(manifest: Path, directory: Path, faults: dict | None = None):
+    campaign = Campaign.start(manifest, directory, member_command=FAKE)
+    if faults:
+        (directory / "faults.json").write_text(json.dumps(faults))
+    campaign.say = lambda *_: None
+    try:
+        return campaign.run()
+    finally:
+        campaign.close()
+
+
+def _decisions(directory: Path) -> list[tuple]:
+    with CampaignStore(directory / "store.db") as store:
+        return [
+            (
+                m.member_id,
+                m.parent_id,
+                json.dumps(m.hyperparameters, sort_keys=True),
+                m.mutation,
+                m.fitness_history,
+            )
+            for m in store.members()
+        ]
+
+
+def test_campaign_evolves_and_records_lineage(tmp_path):
+    summary = _run(_manifest(tmp_path), tmp_path / "c")
+    with CampaignStore(tmp_path / "c" / "store.db") as store:
+        members = store.members()
+        lineage = store.lineage()
+    assert summary.generations == 5 and summary.stop_reason == "5 generations done"
+    assert {m.generation for m in members} == {0, 1, 2, 3, 4}
+    assert all(m.status == "done" for m in members)
+    best_by_gen = [
+        max(m.fitness_history[-1] for m in members if m.generation == g) for g in range(5)
+    ]
+    assert best_by_gen == sorted(best_by_gen) and best_by_gen[-1] > best_by_gen[0] + 1.0
+    for m in members:
+        assert 1e-5 <= m.hyperparameters["lr"] <= 1e-1
+        if m.generation:
+            parent = next(p for p in members if p.member_id == m.parent_id)
+            assert parent.generation == m.generation - 1
+            assert m.fitness_history[:-1] == parent.fitness_history  # history carried over
+    kinds = {e["kind"] for e in lineage}
+    assert {"create", "elite"} <= kinds and kinds & {"mutate", "clone"}
+    elites = [m for m in members if m.mutation == "none (elite)"]
+    assert len(elites) == 4  # one per generation after the first
+
+
+def test_same_seed_same_decisions_other_seed_others(tmp_path):
+    _run(_manifest(tmp_path), tmp_path / "a")
+    _run(_manifest(tmp_path), tmp_path / "b")
+    assert _decisions(tmp_path / "a") == _decisions(tmp_path / "b")
+    _run(_manifest(tmp_path, training={"seed": 8}), tmp_path / "c")
+    assert _decisions(tmp_path / "a") != _decisions(tmp_path / "c")
+
+
+def test_failed_member_is_retried_then_replaced(tmp_path):
+    faults = {"g001-m01": ["exit1", "ok"], "g002-m02": ["sigkill", "exit1"]}
+    _run(_manifest(tmp_path), tmp_path / "c", faults)
+    with CampaignStore(tmp_path / "c" / "store.db") as store:
+        recorded = [(f["member_id"], f["attempt"], f["kind"]) for f in store.faults()]
+        retried, replaced = store.member("g001-m01"), store.member("g002-m02")
+        best_of_gen2 = max(
+            (m for m in store.members(2) if m.member_id != "g002-m02"), key=lambda m: m.fitness()
+        )
+    assert ("g001-m01", 1, "failed") in recorded
+    assert retried.status == "done" and retried.attempts == 2
+    assert [r for r in recorded if r[0] == "g002-m02"] == [
+        ("g002-m02", 1, "failed"),
+        ("g002-m02", 2, "failed"),
+        ("g002-m02", 2, "replaced"),
+    ]
+    assert replaced.status == "done" and replaced.checkpoint == best_of_gen2.checkpoint
+    assert "replaced by a clone of" in replaced.mutation
+    text = status_text(tmp_path / "c")
+    assert "faults (4)" in text and "killed by SIGKILL" in text
+
+
+def test_a_hung_member_is_detected_by_its_heartbeat(tmp_path):
+    manifest = _manifest(tmp_path, launch={"heartbeat_timeout_s": 1.5}, budget={"generations": 2})
+    (tmp_path / "c").mkdir()
+    campaign = Campaign.start(manifest, tmp_path / "c", member_command=FAKE)
+    campaign.say = lambda *_: None
+    # a member that never heartbeats: a program that sleeps without touching its heartbeat
+    campaign.member_command = [sys.executable, "-c", "import sys, time; time.sleep(60)"]
+    campaign.manifest.launch.max_attempts = 1
+    with pytest.raises(PbtError, match="no member of generation 0 finished"):
+        campaign.run()
+    campaign.close()
+    with CampaignStore(tmp_path / "c" / "store.db") as store:
+        assert {f["kind"] for f in store.faults()} == {"no_heartbeat"}
+
+
+def test_checkpoints_on_disk_stay_bounded(tmp_path):
+    _run(_manifest(tmp_path, budget={"generations": 8}), tmp_path / "c")
+    on_disk = sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir())
+    with CampaignStore(tmp_path / "c" / "store.db") as store:
+        best = store.best()
+        latest = {m.checkpoint for m in store.members(7)} | {
+            m.parent_checkpoint for m in store.members(7)
+        }
+    assert len(on_disk) <= 2 * 4 + 1, on_disk
+    assert {Path(p).name for p in latest if p} <= set(on_disk)
+    assert best[0] in on_disk
+
+
+def test_second_controller_is_refused_and_dirs_are_checked(tmp_path):
+    manifest = _manifest(tmp_path)
+    first = Campaign.start(manifest, tmp_path / "c", member_command=FAKE)
+    with pytest.raises(PbtError, match="another controller is running"):
+        Campaign.resume(tmp_path / "c", member_command=FAKE)
+    first.close()
+    with pytest.raises(PbtError, match="already holds a campaign"):
+        Campaign.start(manifest, tmp_path / "c")
+    with pytest.raises(PbtError, match="holds no campaign"):
+        Campaign.resume(tmp_path / "nothing")
+
+
+def test_killed_controller_resumes_to_the_same_decisions(tmp_path):
+    manifest = _manifest(tmp_path, budget={"generations": 6})
+    _run(manifest, tmp_path / "straight")
+    directory = tmp_path / "killed"
+    script = (
+        "import sys; from pbt.campaign import Campaign; "
+        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, member_command={FAKE!r}); c.run()"
+    )
+    env = {**os.environ, "FAKE_MEMBER_SECONDS": "0.3"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # kill mid-generation 2, members running
+        if (directory / "tasks" / "g002-m01" / "heartbeat").exists():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with CampaignStore(directory / "store.db") as store:
+        assert store.last_committed_generation() == 1
+    resumed = Campaign.resume(directory, member_command=FAKE)
+    resumed.say = lambda *_: None
+    resumed.run()
+    resumed.close()
+    assert _decisions(directory) == _decisions(tmp_path / "straight")
+
+
+def test_status_and_lineage_views(tmp_path):
+    summary = _run(_manifest(tmp_path, budget={"generations": 3}), tmp_path / "c")
+    status = status_text(tmp_path / "c")
+    assert "generation 2" in status and "g002-m00" in status and "lr" in status
+    tree = lineage_text(tmp_path / "c")
+    assert tree.count("generation ") == 3 and "<- base model" in tree
+    ancestry = lineage_text(tmp_path / "c", summary.best_member)
+    assert ancestry.splitlines()[0].strip().startswith("gen 0")
+    png = lineage_png(tmp_path / "c", tmp_path / "lineage.png")
+    assert png.stat().st_size > 10_000

@@ -1,0 +1,409 @@
+"""The local launcher against a small hand-written member program: real subprocesses, no mocks.
+
+The fake member reads ``behaviour`` from its task.json and acts it out: succeed, crash, kill
+itself, hang with or without heartbeats, ignore SIGTERM, exit without a result or with a
+truncated one. It writes its pid (and, when it hangs, the pid of a child it spawned) so a test
+can prove the launcher left no process behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pbt.errors import PbtError
+from pbt.launch import (
+    Heartbeat,
+    LocalLauncher,
+    Outcome,
+    TaskSpec,
+    read_json,
+    write_json_atomic,
+)
+
+FAKE_MEMBER = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    from pathlib import Path
+
+    from pbt.launch import Heartbeat, write_json_atomic
+
+    task_path = Path(sys.argv[-1])
+    task_dir = task_path.parent
+    task = json.loads(task_path.read_text())
+    behaviour = task["behaviour"]
+    (task_dir / "pid").write_text(str(os.getpid()))
+    started = time.time()
+    print(f"fake member {task['id']} doing {behaviour}", flush=True)
+
+
+    def spawn_child():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        (task_dir / "child_pid").write_text(str(child.pid))
+
+
+    def finish(sleep_s):
+        with Heartbeat(task_dir / "heartbeat", interval_s=0.2):
+            time.sleep(sleep_s)
+        write_json_atomic(task_dir / "result.json", {
+            "status": "ok",
+            "id": task["id"],
+            "argv": sys.argv[1:-1],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "mlflow_run_id": os.environ.get("MLFLOW_RUN_ID"),
+            "extra": os.environ.get("PBT_TEST_EXTRA"),
+            "start": started,
+            "end": time.time(),
+        })
+
+
+    if behaviour == "ok":
+        finish(0.2)
+    elif behaviour == "slow_ok":
+        finish(1.0)
+    elif behaviour == "exit1":
+        print("boom: the member failed", file=sys.stderr, flush=True)
+        sys.exit(1)
+    elif behaviour == "sigkill_self":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif behaviour == "hang":
+        spawn_child()
+        time.sleep(600)
+    elif behaviour == "hang_with_heartbeat":
+        spawn_child()
+        with Heartbeat(task_dir / "heartbeat", interval_s=0.2):
+            time.sleep(600)
+    elif behaviour == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        spawn_child()  # inherits SIG_IGN: only SIGKILL ends it
+        time.sleep(600)
+    elif behaviour == "no_result":
+        with Heartbeat(task_dir / "heartbeat", interval_s=0.2):
+            time.sleep(0.1)
+    elif behaviour == "truncated_result":
+        (task_dir / "result.json").write_text('{"status": "o')
+    elif behaviour == "error_result":
+        write_json_atomic(task_dir / "result.json", {"status": "error", "error": "diverged"})
+    """
+)
+
+HEARTBEAT_TIMEOUT_S = 2.0
+TASK_TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def fake_member(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fake") / "fake_member.py"
+    path.write_text(FAKE_MEMBER)
+    return path
+
+
+def make_task(root: Path, task_id: str, behaviour: str) -> TaskSpec:
+    task_dir = root / task_id
+    task_dir.mkdir(parents=True)
+    write_json_atomic(task_dir / "task.json", {"id": task_id, "behaviour": behaviour})
+    return TaskSpec(task_id, task_dir, root / "logs" / f"{task_id}.attempt1.log")
+
+
+def launcher(fake: Path, slots: int, **kwargs: object) -> LocalLauncher:
+    command = [sys.executable, str(fake), "--nproc={nproc}", "--port={port}"]
+    options = {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "poll_s": 0.05, **kwargs}
+    return LocalLauncher(command, slots, **options)  # type: ignore[arg-type]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a live (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_dead(pid: int, within_s: float = 3.0) -> bool:
+    """True once ``pid`` is gone (orphans are reaped by init shortly after they die)."""
+    deadline = time.monotonic() + within_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def overlaps(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that are open at one instant."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = current = 0
+    for _, step in events:
+        current += step
+        most = max(most, current)
+    return most
+
+
+# --- every outcome kind, all in one concurrent run -------------------------------------------
+
+BEHAVIOURS = [
+    "ok",
+    "exit1",
+    "sigkill_self",
+    "hang",
+    "hang_with_heartbeat",
+    "ignore_term",
+    "no_result",
+    "truncated_result",
+    "error_result",
+]
+
+
+@pytest.fixture(scope="module")
+def every_outcome(
+    fake_member: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Outcome], dict[str, TaskSpec], float]:
+    root = tmp_path_factory.mktemp("every")
+    tasks = [make_task(root, b, b) for b in BEHAVIOURS]
+    started = time.monotonic()
+    outcomes = launcher(fake_member, len(tasks), task_timeout_s=TASK_TIMEOUT_S).run(tasks)
+    elapsed = time.monotonic() - started
+    assert [o.task_id for o in outcomes] == BEHAVIOURS
+    return {o.task_id: o for o in outcomes}, {t.task_id: t for t in tasks}, elapsed
+
+
+def test_ok_returns_the_result(every_outcome) -> None:
+    outcome = every_outcome[0]["ok"]
+    assert (outcome.status, outcome.returncode) == ("ok", 0)
+    assert outcome.result is not None and outcome.result["id"] == "ok"
+
+
+def test_exit_code_names_the_code_and_shows_the_log(every_outcome) -> None:
+    outcome = every_outcome[0]["exit1"]
+    assert (outcome.status, outcome.returncode) == ("failed", 1)
+    assert "exit code 1" in outcome.detail
+    assert "boom: the member failed" in outcome.detail
+
+
+def test_death_by_signal_names_the_signal(every_outcome) -> None:
+    outcome = every_outcome[0]["sigkill_self"]
+    assert (outcome.status, outcome.returncode) == ("failed", -signal.SIGKILL)
+    assert "killed by SIGKILL" in outcome.detail
+
+
+def test_silent_member_is_killed_for_no_heartbeat(every_outcome) -> None:
+    outcome = every_outcome[0]["hang"]
+    assert outcome.status == "no_heartbeat"
+    assert outcome.returncode == -signal.SIGTERM
+    assert "no heartbeat" in outcome.detail and "killed by SIGTERM" in outcome.detail
+    assert HEARTBEAT_TIMEOUT_S <= outcome.seconds < TASK_TIMEOUT_S
+
+
+def test_heartbeating_member_is_killed_at_task_timeout(every_outcome) -> None:
+    outcome = every_outcome[0]["hang_with_heartbeat"]
+    assert outcome.status == "timeout"
+    assert outcome.seconds >= TASK_TIMEOUT_S
+    assert "task_timeout_s" in outcome.detail
+
+
+def test_member_ignoring_sigterm_is_sigkilled(every_outcome) -> None:
+    outcome = every_outcome[0]["ignore_term"]
+    assert outcome.status == "no_heartbeat"
+    assert outcome.returncode == -signal.SIGKILL
+    assert "killed by SIGKILL" in outcome.detail
+
+
+def test_exit_zero_without_result_is_no_result(every_outcome) -> None:
+    outcome = every_outcome[0]["no_result"]
+    assert (outcome.status, outcome.returncode, outcome.result) == ("no_result", 0, None)
+
+
+def test_truncated_or_unsuccessful_result_is_bad_result(every_outcome) -> None:
+    truncated, error = every_outcome[0]["truncated_result"], every_outcome[0]["error_result"]
+    assert (truncated.status, truncated.result) == ("bad_result", None)
+    assert error.status == "bad_result"
+    assert error.result == {"status": "error", "error": "diverged"}
+    assert "'error'" in error.detail
+
+
+def test_killed_members_leave_no_process_behind(every_outcome) -> None:
+    tasks = every_outcome[1]
+    for behaviour in ("hang", "hang_with_heartbeat", "ignore_term"):
+        task_dir = tasks[behaviour].task_dir
+        for name in ("pid", "child_pid"):
+            pid = int((task_dir / name).read_text())
+            assert wait_dead(pid), f"{behaviour}: {name} {pid} is still alive"
+
+
+def test_kills_run_concurrently_with_other_tasks(every_outcome) -> None:
+    # Hangs, timeouts and the 5 s SIGTERM grace overlap; run back to back they would take ~13 s.
+    assert every_outcome[2] < TASK_TIMEOUT_S + 5.0 + 3.0
+
+
+def test_log_receives_the_member_output(every_outcome) -> None:
+    tasks = every_outcome[1]
+    assert "fake member ok doing ok" in tasks["ok"].log_path.read_text()
+    assert "boom: the member failed" in tasks["exit1"].log_path.read_text()
+
+
+# --- scheduling: slots, GPUs, ports -----------------------------------------------------------
+
+
+def run_slow(fake: Path, root: Path, slots: int, **kwargs: object):
+    """Run 4 slow tasks; return outcomes, (slot, start, end) per task id, and the wall time."""
+    tasks = [make_task(root, f"g000-m{i:02d}", "slow_ok") for i in range(4)]
+    slots_of: dict[str, int] = {}
+    done: list[str] = []
+    started = time.monotonic()
+    outcomes = launcher(fake, slots, **kwargs).run(
+        tasks,
+        on_start=lambda task, slot: slots_of.setdefault(task.task_id, slot),
+        on_done=lambda outcome: done.append(outcome.task_id),
+    )
+    elapsed = time.monotonic() - started
+    assert [o.status for o in outcomes] == ["ok"] * 4, [o.detail for o in outcomes]
+    assert sorted(done) == [t.task_id for t in tasks]
+    return outcomes, slots_of, elapsed
+
+
+def test_concurrency_is_bounded_by_slots(fake_member: Path, tmp_path: Path) -> None:
+    outcomes, slots_of, elapsed = run_slow(fake_member, tmp_path, slots=2)
+    intervals = [(o.result["start"], o.result["end"]) for o in outcomes]
+    assert overlaps(intervals) == 2
+    assert set(slots_of.values()) == {0, 1}
+    single = max(end - start for start, end in intervals)
+    assert 2 * single <= elapsed < 3 * single + 1.0, (elapsed, single)
+    assert all(o.result["cuda_visible_devices"] == "" for o in outcomes)
+    assert all(o.result["argv"][0] == "--nproc=1" for o in outcomes)
+
+
+def test_gpu_groups_and_ports_are_disjoint(fake_member: Path, tmp_path: Path) -> None:
+    outcomes, slots_of, _ = run_slow(
+        fake_member, tmp_path, slots=2, gpus_per_member=2, gpu_ids=[0, 1, 2, 3], base_port=29700
+    )
+    groups = {0: "0,1", 1: "2,3"}
+    for outcome in outcomes:
+        assert outcome.result["cuda_visible_devices"] == groups[slots_of[outcome.task_id]]
+    records = [(o.result["start"], o.result["end"], o.result) for o in outcomes]
+    for i, (start_a, end_a, a) in enumerate(records):
+        for start_b, end_b, b in records[i + 1 :]:
+            if start_a < end_b and start_b < end_a:  # ran at the same time
+                assert a["cuda_visible_devices"] != b["cuda_visible_devices"]
+                assert a["argv"][1] != b["argv"][1]
+    ports = {o.result["argv"][1] for o in outcomes}
+    assert ports <= {"--port=29700", "--port=29710"}
+
+
+def test_busy_port_is_skipped(fake_member: Path, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        task = make_task(tmp_path, "t", "ok")
+        [outcome] = launcher(fake_member, 1, base_port=port).run([task])
+    assert outcome.result["argv"][1] == f"--port={port + 1}"
+
+
+def test_env_is_inherited_without_mlflow_run_id(
+    fake_member: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_RUN_ID", "the-controller-run")
+    task = make_task(tmp_path, "t", "ok")
+    [outcome] = launcher(fake_member, 1, env={"PBT_TEST_EXTRA": "x"}).run([task])
+    assert outcome.result["mlflow_run_id"] is None
+    assert outcome.result["extra"] == "x"
+
+
+# --- attempts, interruption, validation --------------------------------------------------------
+
+
+def test_stale_files_of_a_previous_attempt_are_ignored(fake_member: Path, tmp_path: Path) -> None:
+    task = make_task(tmp_path, "t", "no_result")
+    write_json_atomic(task.task_dir / "result.json", {"status": "ok", "stale": True})
+    [outcome] = launcher(fake_member, 1).run([task])
+    assert outcome.status == "no_result"
+
+    failing = make_task(tmp_path, "u", "exit1")
+    (failing.task_dir / "heartbeat").touch()
+    write_json_atomic(failing.task_dir / "result.json", {"status": "ok"})
+    [outcome] = launcher(fake_member, 1).run([failing])
+    assert outcome.status == "failed"
+    assert not (failing.task_dir / "heartbeat").exists()
+    assert not (failing.task_dir / "result.json").exists()
+
+
+def test_interrupt_kills_every_running_task(fake_member: Path, tmp_path: Path) -> None:
+    tasks = [make_task(tmp_path, f"m{i}", "hang_with_heartbeat") for i in range(3)]
+
+    def interrupt_once_all_run(task: TaskSpec, slot: int) -> None:
+        if slot < 1:
+            return
+        deadline = time.monotonic() + 10
+        while not all((t.task_dir / "child_pid").exists() for t in tasks[:2]):
+            assert time.monotonic() < deadline, "fake members did not start"
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launcher(fake_member, 2).run(tasks, on_start=interrupt_once_all_run)
+    for task in tasks[:2]:
+        for name in ("pid", "child_pid"):
+            assert wait_dead(int((task.task_dir / name).read_text()))
+    assert not (tasks[2].task_dir / "pid").exists()  # queued, never started
+
+
+def test_bad_arguments_are_reported_together() -> None:
+    with pytest.raises(ValueError) as err:
+        LocalLauncher([], slots=0, gpus_per_member=2, gpu_ids=[0], poll_s=0)
+    message = str(err.value)
+    for needle in ("command is empty", "slots (0)", "poll_s (0)"):
+        assert needle in message
+    with pytest.raises(ValueError, match="gpu_ids"):
+        LocalLauncher(["x"], slots=2, gpus_per_member=2, gpu_ids=[0, 1, 2])
+    with pytest.raises(ValueError, match="gpu_ids"):
+        LocalLauncher(["x"], slots=2, gpus_per_member=1, gpu_ids=[0, 0])
+
+
+def test_missing_task_json_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    task = TaskSpec("t", tmp_path / "t", tmp_path / "t.log")
+    with pytest.raises(PbtError, match=r"task\.json"):
+        LocalLauncher(["true"], slots=1).run([task])
+    assert not task.log_path.exists()
+
+
+# --- member-side helpers -------------------------------------------------------------------------
+
+
+def test_json_helpers_round_trip_and_reject_damage(tmp_path: Path) -> None:
+    path = tmp_path / "result.json"
+    assert read_json(path) is None
+    write_json_atomic(path, {"status": "ok", "fitness": 0.5})
+    assert read_json(path) == {"status": "ok", "fitness": 0.5}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temp file left
+    path.write_text('{"status": "ok", "fit')
+    assert read_json(path) is None
+    path.write_text("[1, 2]")
+    assert read_json(path) is None
+
+
+def test_heartbeat_keeps_touching_until_exit(tmp_path: Path) -> None:
+    path = tmp_path / "heartbeat"
+    with Heartbeat(path, interval_s=0.05):
+        assert path.exists()
+        first = path.stat().st_mtime_ns
+        time.sleep(0.3)
+        assert path.stat().st_mtime_ns > first
+    assert not any(t.name == "pbt-heartbeat" for t in threading.enumerate())
+    last = path.stat().st_mtime_ns
+    time.sleep(0.15)
+    assert path.stat().st_mtime_ns == last
+
+
+def test_launch_imports_no_torch() -> None:
+    code = "import sys, pbt.launch; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
