@@ -31,7 +31,7 @@ import yaml
 
 from pbt.config import Manifest
 from pbt.errors import PbtError
-from pbt.launch import LocalLauncher, Outcome, TaskSpec, write_json_atomic
+from pbt.launch import LocalLauncher, Outcome, TaskSpec, kill_orphan, write_json_atomic
 from pbt.manifest import manifest_from_dict
 from pbt.populate import build_mutations, build_selection, create_population
 from pbt.population import MemberRecord
@@ -252,6 +252,9 @@ class Campaign:
         gpu_seconds = 0.0
         pending = [m for m in self.store.members(generation) if m.status != "done"]
         total = len(self.store.members(generation))
+        for m in pending:  # members a crashed controller left running must not race their retry
+            if m.status == "running" and kill_orphan(self.dir / "tasks" / m.member_id):
+                self.say(f"  ended {m.member_id}'s process left by the previous controller")
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
         while pending:
             for m in pending:

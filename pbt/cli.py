@@ -62,7 +62,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _drive(campaign) -> int:
-    from pbt.report import lineage_text
+    from pbt.report import fitness_curve_text, lineage_text
 
     try:
         summary = campaign.run()
@@ -74,6 +74,9 @@ def _drive(campaign) -> int:
     )
     print("\nlineage of the best member:")
     print(lineage_text(campaign.dir, summary.best_member))
+    print("\nfitness by generation:")
+    print(fitness_curve_text(campaign.dir))
+    print(f"\nmore: pbt status {campaign.dir} | pbt lineage {campaign.dir}")
     return 0
 
 

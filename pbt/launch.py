@@ -272,6 +272,8 @@ class LocalLauncher:
                 env=env,
                 start_new_session=True,
             )
+        # the group id outlives this controller: a resumed one reads it to end orphans
+        (task_dir / "pgid").write_text(str(proc.pid))
         return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
@@ -398,3 +400,23 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def kill_orphan(task_dir: Path) -> bool:
+    """End the process group a previous (crashed) controller started for ``task_dir``.
+
+    The group is killed only while its leader's command line still names this task, so a
+    recycled process id is never hit. Returns whether anything was killed.
+    """
+    try:
+        pgid = int((Path(task_dir) / "pgid").read_text())
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    if str(Path(task_dir) / "task.json").encode() not in cmdline:
+        return False
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while Path(f"/proc/{pgid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True

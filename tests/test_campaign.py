@@ -199,3 +199,19 @@ def test_status_and_lineage_views(tmp_path):
     assert ancestry.splitlines()[0].strip().startswith("gen 0")
     png = lineage_png(tmp_path / "c", tmp_path / "lineage.png")
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("budget", "reason", "generations"),
+    [
+        ({"generations": 50, "target_fitness": 2.0}, "target fitness 2.0 reached", None),
+        ({"generations": 50, "total_steps": 30}, "30 total steps done", 3),
+    ],
+)
+def test_budget_stops_the_campaign(tmp_path, budget, reason, generations):
+    summary = _run(_manifest(tmp_path, budget=budget), tmp_path / "c")
+    assert summary.stop_reason == reason
+    if generations is not None:  # 4 members x 3 steps a generation: 30 steps after 3 generations
+        assert summary.generations == generations
+    else:
+        assert summary.best_fitness >= 2.0 and summary.generations < 50

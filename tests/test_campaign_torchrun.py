@@ -1,0 +1,124 @@
+"""Campaigns with the real member entry point under torchrun on CPU: fitness improves, a member
+killed mid-task is retried, and a controller killed mid-generation resumes to exactly the
+decisions of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pbt.store import CampaignStore
+
+pytestmark = pytest.mark.integration
+
+MANIFEST = {
+    "model": {"name": "builtin:tiny"},
+    "algorithm": {"group_size": 4, "prompts_per_step": 4},
+    "rollout": {"max_output_tokens": 8},
+    "task": {"name": "builtin:letters", "eval_size": 16},
+    "training": {"seed": 3, "device": "cpu"},
+    "population": {"size": 4, "tournament_size": 2, "evo_steps": 4, "init_sampler": "random"},
+    "mutation": {
+        "no_mutation": 0.2,
+        "rl_hp": 0.8,
+        "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
+    },
+    "budget": {"generations": 3},
+    "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 120},
+}
+PBT = [sys.executable, "-m", "pbt.cli"]
+
+
+def _decisions(directory: Path) -> list[tuple]:
+    with CampaignStore(directory / "store.db") as store:
+        return [
+            (m.member_id, m.parent_id, m.hyperparameters, m.mutation, m.fitness_history, m.status)
+            for m in store.members()
+        ]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "the campaign ended before the moment to interrupt it"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def _kill_worker(task_json: str) -> None:
+    """SIGKILL the member process whose command line names ``task_json`` (not its launcher)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pbt.worker" in cmdline and any(task_json.encode() in part for part in cmdline):
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no worker process for {task_json}")
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("m") / "campaign.yaml"
+    path.write_text(yaml.safe_dump(MANIFEST))
+    return path
+
+
+def test_fitness_improves_and_a_killed_member_is_retried(manifest: Path, tmp_path: Path):
+    directory = tmp_path / "straight"
+    proc = subprocess.Popen(
+        [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.PIPE, text=True
+    )
+    _wait_for(directory / "tasks" / "g001-m02" / "heartbeat", proc)
+    time.sleep(1.0)
+    _kill_worker("g001-m02/task.json")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped: 3 generations done" in out and "lineage of the best member" in out
+    with CampaignStore(directory / "store.db") as store:
+        members = store.members()
+        faults = store.faults()
+    assert [(f["member_id"], f["kind"]) for f in faults] == [("g001-m02", "failed")]
+    assert next(m for m in members if m.member_id == "g001-m02").attempts == 2
+    first = [m.fitness_history[-1] for m in members if m.generation == 0]
+    last = [m.fitness_history[-1] for m in members if m.generation == 2]
+    assert sum(last) / len(last) > sum(first) / len(first) + 0.05, (first, last)
+    assert max(last) >= max(first)
+    status = subprocess.run([*PBT, "status", str(directory)], capture_output=True, text=True)
+    assert status.returncode == 0 and "g002-m00" in status.stdout and "faults (1)" in status.stdout
+
+
+def test_killed_controller_resumes_to_the_same_decisions(manifest: Path, tmp_path: Path):
+    straight = tmp_path / "reference"
+    subprocess.run(
+        [*PBT, "run", str(manifest), "--dir", str(straight)], check=True, capture_output=True
+    )
+    directory = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.DEVNULL
+    )
+    _wait_for(directory / "tasks" / "g001-m01" / "heartbeat", proc)
+    time.sleep(1.0)
+    proc.kill()  # SIGKILL: its members live on as orphans, which the resumed controller ends
+    proc.wait()
+    with CampaignStore(directory / "store.db") as store:
+        assert store.last_committed_generation() == 0
+    resumed = subprocess.run(
+        [*PBT, "resume", str(directory)], capture_output=True, text=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _decisions(directory) == _decisions(straight)
+    on_disk = {p.name for p in (directory / "checkpoints").iterdir()}
+    with CampaignStore(directory / "store.db") as store:
+        needed = {Path(m.checkpoint).name for m in store.members(2)}
+    assert needed <= on_disk and len(on_disk) <= 2 * 4 + 1

@@ -1,0 +1,58 @@
+"""The inspection commands on a real checkpoint: inspect, export, export --merge."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from peft import PeftModel
+from support import small_manifest
+from transformers import AutoModelForCausalLM
+
+from pbt.algorithms.member import Member
+from pbt.algorithms.models import resolve_model_path
+
+
+def _pbt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pbt.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_inspect_export_and_merge(tmp_path):
+    member = Member(small_manifest(tmp_path), torch.device("cpu"), member_id="g004-m01")
+    member.learner.train_step(member.task.train, member.task.reward_fn)
+    member.fitness.append(0.25)
+    digest = member.save(tmp_path / "ckpt")
+
+    shown = _pbt("inspect", str(tmp_path / "ckpt"))
+    assert shown.returncode == 0, shown.stderr
+    for text in (digest, "g004-m01", '"lr"', "[0.25]", "step 1", "lora_A"):
+        assert text in shown.stdout, text
+
+    assert _pbt("export", str(tmp_path / "ckpt"), str(tmp_path / "adapter")).returncode == 0
+    assert (
+        _pbt("export", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merge").returncode == 0
+    )
+    again = _pbt("export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"))
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+    ids = member.tokenizer("Say q again and again.", return_tensors="pt")["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
+    adapter = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    member.model.eval()
+    with torch.no_grad():
+        want = member.model(ids).logits
+        torch.testing.assert_close(adapter(ids).logits, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(merged(ids).logits, want, atol=1e-4, rtol=1e-3)
+
+
+def test_inspect_refuses_a_corrupted_checkpoint(tmp_path):
+    member = Member(small_manifest(tmp_path), torch.device("cpu"))
+    member.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "attributes.pt").write_bytes(b"truncated")
+    shown = _pbt("inspect", str(tmp_path / "ckpt"))
+    assert shown.returncode == 2 and "does not match its digest" in shown.stderr
+    assert "Traceback" not in shown.stderr
