@@ -355,8 +355,10 @@ class Campaign:
         )
         m.status = "failed"
         self.store.update_member(m)
+        reason = outcome.detail.splitlines()[0] if outcome.detail else ""
+        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         self.say(
-            f"  {m.member_id} attempt {m.attempts} {outcome.status}: {outcome.detail.splitlines()[0] if outcome.detail else ''}; {action}"
+            f"  {m.member_id} attempt {m.attempts} {outcome.status}: {reason}; {action} (log: {log})"
         )
 
     def _replace(self, m: MemberRecord, generation: int) -> None:

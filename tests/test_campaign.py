@@ -206,12 +206,18 @@ def test_status_and_lineage_views(tmp_path):
     [
         ({"generations": 50, "target_fitness": 2.0}, "target fitness 2.0 reached", None),
         ({"generations": 50, "total_steps": 30}, "30 total steps done", 3),
+        ({"generations": 50, "wall_time_s": 0.5}, "wall time 0.5 s spent", None),
+        ({"generations": 50, "gpu_hours": 1e-4}, "0.0001 GPU-hours spent", 1),
     ],
 )
 def test_budget_stops_the_campaign(tmp_path, budget, reason, generations):
-    summary = _run(_manifest(tmp_path, budget=budget), tmp_path / "c")
+    # gpus_per_member 1 makes every member-second count as a GPU-second (the fake needs no GPU)
+    launch = {"gpus_per_member": 1, "gpu_ids": [0, 1]}
+    summary = _run(_manifest(tmp_path, budget=budget, launch=launch), tmp_path / "c")
     assert summary.stop_reason == reason
     if generations is not None:  # 4 members x 3 steps a generation: 30 steps after 3 generations
         assert summary.generations == generations
     else:
-        assert summary.best_fitness >= 2.0 and summary.generations < 50
+        assert summary.generations < 50
+    if "target" in reason:
+        assert summary.best_fitness >= 2.0
