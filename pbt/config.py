@@ -441,15 +441,34 @@ class Manifest:
 
     def check(self) -> list[str]:
         problems: list[str] = []
-        for name in (
-            "model",
-            "lora",
-            "optim",
-            "algorithm",
-            "rollout",
-            "task",
-            "distributed",
-            "training",
-        ):
+        for name in SECTIONS:
             problems += getattr(self, name).check(name)
+        fsdp = self.distributed.fsdp
+        if (
+            isinstance(fsdp, dict)
+            and fsdp.get("cpu_offload") is True
+            and self.rollout.engine != "vllm"
+        ):
+            problems.append(
+                f"distributed.fsdp.cpu_offload (true) needs a vLLM rollout, but rollout.engine is "
+                f"{self.rollout.engine!r}: HF generate needs the weights on the compute device; "
+                "set cpu_offload: false"
+            )
         return problems
+
+
+SECTIONS = (
+    "model",
+    "lora",
+    "optim",
+    "algorithm",
+    "rollout",
+    "task",
+    "distributed",
+    "training",
+    "population",
+    "mutation",
+    "budget",
+    "launch",
+)
+"""The manifest's sections, in the order problems are reported."""

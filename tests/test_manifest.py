@@ -35,7 +35,7 @@ def test_bad_manifest_lists_every_problem_in_one_message():
     with pytest.raises(ConfigError) as info:
         manifest_from_dict(bad)
     message = str(info.value)
-    assert message.startswith("manifest: 7 problems")
+    assert message.startswith("manifest: 8 problems")
     expected = [
         "modle is not a known key; did you mean 'model'?",
         "algorithm.lr is not a known key; it belongs in the optim section (optim.lr)",
@@ -47,6 +47,7 @@ def test_bad_manifest_lists_every_problem_in_one_message():
     for text in expected:
         assert text in message, text
     assert "set optim_cpu_offload: false" in message
+    assert "needs a vLLM rollout" in message
 
 
 def test_init_hp_maps_agilerl_spelling_onto_configs():
@@ -122,3 +123,28 @@ def test_entry_point_prints_problems_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "algorithm.group_size (1) must be >= 2" in proc.stderr
     assert "training.stepz is not a known key; did you mean 'steps'?" in proc.stderr
+
+
+def test_cpu_offload_needs_a_vllm_rollout():
+    problems = _problems({"INIT_HP": {"FSDP": {"cpu_offload": True, "optim_cpu_offload": False}}})
+    assert problems == [
+        "distributed.fsdp.cpu_offload (true) needs a vLLM rollout, but rollout.engine is 'hf': "
+        "HF generate needs the weights on the compute device; set cpu_offload: false"
+    ]
+
+
+def test_campaign_sections_are_checked():
+    problems = _problems(
+        {
+            "population": {"size": 0, "evo_steps": 0},
+            "budget": {"generations": 0},
+            "launch": {"slots": 0, "gpus_per_member": 2, "gpu_ids": [0]},
+        }
+    )
+    for text in (
+        "population.size (0) must be > 0",
+        "population.evo_steps (0) must be > 0",
+        "budget.generations (0) must be > 0",
+        "launch.slots (0) must be > 0",
+    ):
+        assert any(text in p for p in problems), (text, problems)
