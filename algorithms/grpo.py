@@ -118,30 +118,27 @@ class GRPO:
 
     # -- hyperparameters -------------------------------------------------------------------
 
+    def _section(self, name: str) -> Any:
+        """The config holding hyperparameter ``name``."""
+        section = MUTABLE_HYPERPARAMETERS[name]
+        return {"optim": self.optim_cfg, "algorithm": self.algorithm, "rollout": self.rollout_cfg}[
+            section
+        ]
+
     def hyperparameters(self) -> dict[str, float]:
         """Current values of the mutable hyperparameters."""
-        return {
-            "lr": self.optim_cfg.lr,
-            "beta": self.algorithm.beta,
-            "clip_low": self.algorithm.clip_low,
-            "clip_high": self.algorithm.clip_high,
-            "temperature": self.rollout_cfg.temperature,
-            "max_grad_norm": self.optim_cfg.max_grad_norm,
-        }
+        return {name: getattr(self._section(name), name) for name in MUTABLE_HYPERPARAMETERS}
 
     def apply_hyperparameters(self, values: dict[str, float]) -> None:
         """Set hyperparameters in place; a new lr lands in the optimizer and the schedule,
         keeping Adam's moments and the schedule's position."""
         unknown = set(values) - set(MUTABLE_HYPERPARAMETERS)
         if unknown:
-            raise ValueError(f"not mutable: {sorted(unknown)}; mutable: {MUTABLE_HYPERPARAMETERS}")
-        for key, value in values.items():
-            if key in ("lr", "max_grad_norm"):
-                setattr(self.optim_cfg, key, float(value))
-            elif key == "temperature":
-                self.rollout_cfg.temperature = float(value)
-            else:
-                setattr(self.algorithm, key, float(value))
+            raise ValueError(
+                f"not mutable: {sorted(unknown)}; mutable: {list(MUTABLE_HYPERPARAMETERS)}"
+            )
+        for name, value in values.items():
+            setattr(self._section(name), name, float(value))
         if "lr" in values:
             self.scheduler.base_lrs = [self.optim_cfg.lr for _ in self.optimizer.param_groups]
             factor = self._lr_factor(self.scheduler.last_epoch)

@@ -23,8 +23,16 @@ FSDP_FIELDS: dict[str, bool] = {
 }
 """The fields of ``pbt.distributed.FSDPConfig`` and their defaults, for torch-free validation."""
 
-MUTABLE_HYPERPARAMETERS = ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm")
-"""GRPO hyperparameters a mutation may change between generations without breaking the run."""
+MUTABLE_HYPERPARAMETERS: dict[str, str] = {
+    "lr": "optim",
+    "beta": "algorithm",
+    "clip_low": "algorithm",
+    "clip_high": "algorithm",
+    "temperature": "rollout",
+    "max_grad_norm": "optim",
+}
+"""GRPO hyperparameters a mutation may change between generations without breaking the run,
+each with the manifest section whose field of the same name holds it."""
 
 
 def _positive(problems: list[str], key: str, value: float, fix: str = "") -> None:

@@ -21,12 +21,8 @@ from pbt.selection import TournamentSelection
 def base_hyperparameters(manifest: Manifest) -> dict[str, float]:
     """The mutable hyperparameters' starting values, as the manifest sets them."""
     return {
-        "lr": manifest.optim.lr,
-        "beta": manifest.algorithm.beta,
-        "clip_low": manifest.algorithm.clip_low,
-        "clip_high": manifest.algorithm.clip_high,
-        "temperature": manifest.rollout.temperature,
-        "max_grad_norm": manifest.optim.max_grad_norm,
+        name: getattr(getattr(manifest, section), name)
+        for name, section in MUTABLE_HYPERPARAMETERS.items()
     }
 
 
