@@ -54,6 +54,49 @@ class GRPO:
         fsdp: the sharding options when ``model`` is sharded with FSDP2, else None.
     """
 
+    name = "GRPO"
+
+    @classmethod
+    def population(
+        cls,
+        size: int,
+        *,
+        model_name: str | None = None,
+        pad_token_id: int | None = None,
+        pad_token: str | None = None,
+        fsdp_config: Any = None,
+        hp_config: dict[str, dict[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        **init_hp: Any,
+    ):
+        """A library-mode population of ``size`` members of this algorithm on one shared base.
+
+        ``init_hp`` takes AgileRL's ``INIT_HP`` keys in either case (``lr=1e-4`` or
+        ``LR=1e-4``, ``group_size=8``, ``beta=0.01``); ``fsdp_config`` is an ``FSDPConfig``,
+        a dict of its fields, or True; ``config`` holds any other manifest sections. Nothing
+        is loaded until an agent is first used. See :func:`pbt.populate.create_population`.
+        """
+        from pbt.populate import create_population
+
+        sections = {name: dict(values) for name, values in (config or {}).items()}
+        model = sections.setdefault("model", {})
+        for key, value in (("pad_token_id", pad_token_id), ("pad_token", pad_token)):
+            if value is not None:
+                model[key] = value
+        if fsdp_config is not None:
+            fsdp = asdict(fsdp_config) if isinstance(fsdp_config, FSDPConfig) else fsdp_config
+            sections.setdefault("distributed", {})["fsdp"] = fsdp
+        return create_population(
+            {key.upper(): value for key, value in init_hp.items()},
+            algo=cls.name,
+            config=sections,
+            population_size=size,
+            hp_config=hp_config,
+            model_name=model_name,
+            device=device,
+        )
+
     def __init__(
         self,
         model,
@@ -159,24 +202,38 @@ class GRPO:
         share = count // self.world_size
         return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
 
-    def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
-        """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``."""
+    def complete(self, questions: list[str], training: bool = True) -> RolloutBatch:
+        """Completions for ``questions``: ``group_size`` samples each when ``training``, else one
+        greedy completion each. Rows are grouped by question."""
         self.model.eval()
-        questions = [ex.question for ex in examples]
-        batch = generate(
+        return generate(
             self.model,
             self.tokenizer,
             questions,
             self.rollout_cfg,
-            repeats=self.algorithm.group_size,
+            repeats=self.algorithm.group_size if training else 1,
+            greedy=not training,
+            synced=is_sharded(self.model),
         )
-        answers = [ex.answer for ex in examples for _ in range(self.algorithm.group_size)]
-        repeated = [q for q in questions for _ in range(self.algorithm.group_size)]
+
+    def score(self, examples: list[Example], batch: RolloutBatch, reward_fn: RewardFn) -> Tensor:
+        """Rewards ``[N]`` of ``batch``'s completions, its rows grouped by ``examples``."""
+        repeats = len(batch) // max(len(examples), 1)
+        if repeats * len(examples) != len(batch):
+            raise ValueError(
+                f"a batch of {len(batch)} completions does not group evenly over "
+                f"{len(examples)} prompts"
+            )
         rewards = [
-            float(reward_fn(text, a, q))
-            for text, a, q in zip(batch.texts, answers, repeated, strict=True)
+            float(reward_fn(text, examples[i // repeats].answer, examples[i // repeats].question))
+            for i, text in enumerate(batch.texts)
         ]
-        return batch, torch.tensor(rewards, dtype=torch.float32)
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
+        """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``."""
+        batch = self.complete([ex.question for ex in examples])
+        return batch, self.score(examples, batch, reward_fn)
 
     def train_step(self, train: list[Example], reward_fn: RewardFn) -> dict[str, float]:
         """Sample, score and learn from one batch; returns the step's metrics."""

@@ -16,7 +16,13 @@ import torch
 
 from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
 from pbt.algorithms.grpo import GRPO
-from pbt.algorithms.models import adapter_dir_base, add_lora, load_base_model, load_tokenizer
+from pbt.algorithms.models import (
+    adapter_dir_base,
+    add_lora,
+    load_base_model,
+    load_tokenizer,
+    quiet_transformers,
+)
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import Manifest
 from pbt.distributed import all_gather_objects, barrier, init_process_group
@@ -25,21 +31,21 @@ from pbt.distributed.state import gather_parameters, load_parameters
 from pbt.errors import CheckpointError
 
 
-class Member:
-    """Model, tokenizer, task and learner built from a manifest.
+class Host:
+    """One frozen base model with its adapter slot, the tokenizer and the task, in this process.
+
+    Every member hosted in the process trains through this one model: a campaign worker holds
+    one member, a library-mode population many (see :mod:`pbt.algorithms.library`).
 
     Args:
         manifest: the validated run configuration.
         device: where the model lives.
-        member_id: this member's name in lineage records.
     """
 
-    def __init__(
-        self, manifest: Manifest, device: torch.device, member_id: str = "member-0"
-    ) -> None:
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
         self.manifest = manifest
         self.device = device
-        self.member_id = member_id
+        quiet_transformers()
         self.world = init_process_group(device, manifest.distributed.timeout_s)
         # The same seed on every rank while the adapter is initialised (data-parallel replicas
         # and FSDP shards must start from one set of weights), then one stream per rank for
@@ -53,17 +59,53 @@ class Member:
             shard_model(self.model, base, self.fsdp, device)
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_task(manifest.task, manifest.base_dir, manifest.training.seed)
-        self.learner = GRPO(
+
+    def new_learner(self) -> GRPO:
+        """A learner with its own optimizer, schedule and generator over the adapter slot."""
+        m = self.manifest
+        return GRPO(
             self.model,
             self.tokenizer,
-            manifest.algorithm,
-            manifest.optim,
-            manifest.rollout,
-            total_steps=manifest.training.steps,
-            seed=manifest.training.seed,
+            m.algorithm,
+            m.optim,
+            m.rollout,
+            total_steps=m.training.steps,
+            seed=m.training.seed,
             fsdp=self.fsdp,
         )
+
+
+class Member:
+    """A learner over a host's model, with the member's fitness and lineage.
+
+    Args:
+        manifest: the validated run configuration.
+        device: where the model lives.
+        member_id: this member's name in lineage records.
+        host: the model to train through; built from ``manifest`` when omitted.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        device: torch.device,
+        member_id: str = "member-0",
+        host: Host | None = None,
+    ) -> None:
+        self.host = host or Host(manifest, device)
+        self.manifest = manifest
+        self.device = device
+        self.member_id = member_id
+        self.world = self.host.world
+        self.tokenizer = self.host.tokenizer
+        self.model = self.host.model
+        self.fsdp = self.host.fsdp
+        self.task = self.host.task
+        self.learner = self.host.new_learner()
         self.fitness: list[float] = []
+        self.mutation_ranges: dict[str, dict[str, Any]] = {
+            name: dict(spec) for name, spec in manifest.mutation.ranges.items()
+        }
         self.lineage: dict[str, Any] = {
             "member": member_id,
             "parent": None,
@@ -82,7 +124,7 @@ class Member:
             "base_model": self.manifest.model.name,
             "lora_config": asdict(self.manifest.lora),
             "hyperparameters": self.learner.hyperparameters(),
-            "mutation_ranges": {},
+            "mutation_ranges": {k: dict(v) for k, v in self.mutation_ranges.items()},
             "trainable": {_peft_key(n): t for n, t in gather_parameters(named).items()},
             "learner": self.learner.state_dict(),
             "rng": all_gather_objects(capture_rng()),
@@ -133,6 +175,7 @@ class Member:
         self.learner.apply_hyperparameters(attrs["hyperparameters"])
         self._restore_rng(attrs["rng"])
         self.fitness = [float(f) for f in attrs["fitness"]]
+        self.mutation_ranges = {k: dict(v) for k, v in attrs.get("mutation_ranges", {}).items()}
         self.lineage = dict(attrs["lineage"])
         return attrs
 

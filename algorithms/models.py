@@ -6,6 +6,7 @@ Every model, the built-in tiny one included, goes through the same ``from_pretra
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,6 +18,18 @@ from pbt.config import LoRAConfig, ModelConfig
 from pbt.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' load progress bars and peft's deprecation chatter: not the
+    user's concern, and noise in a member's log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+    )
 
 
 def resolve_model_path(name: str) -> str:
@@ -40,8 +53,25 @@ def load_tokenizer(cfg: ModelConfig):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as err:
         raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    if cfg.pad_token is not None:
+        if cfg.pad_token not in tokenizer.get_vocab():
+            raise ConfigError(
+                [
+                    f"model.pad_token ({cfg.pad_token!r}) is not in the tokenizer's vocabulary; "
+                    "use one of its special tokens, or leave it unset for the default"
+                ]
+            )
+        tokenizer.pad_token = cfg.pad_token
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.pad_token_id is not None and cfg.pad_token_id != tokenizer.pad_token_id:
+        raise ConfigError(
+            [
+                f"model.pad_token_id ({cfg.pad_token_id}) is not the id of the pad token "
+                f"{tokenizer.pad_token!r} ({tokenizer.pad_token_id}); set pad_token_id to "
+                f"{tokenizer.pad_token_id} or name the token you mean with pad_token"
+            ]
+        )
     if tokenizer.chat_template is None:
         raise ConfigError(
             [f"model.name ({cfg.name!r}) has a tokenizer without a chat template; use a chat model"]

@@ -218,19 +218,46 @@ def _save_tokenizer(raw: Tokenizer, out: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
-    """Initialise the random-weight Qwen2 model for ``tokenizer`` and save it to ``out``."""
+def build_shaped_model(out_dir: str | Path, seed: int = 0, **shape: object) -> Path:
+    """A random-weight Qwen2 model of another shape (``hidden_size=512``, ``num_hidden_layers=4``,
+    ...) with the tiny model's tokenizer, written into ``out_dir`` as an ordinary model folder.
+
+    For measurements that need a bigger model than ``builtin:tiny`` without a download. The
+    global torch RNG state is restored afterwards.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source = tiny_model_dir()
+    for item in source.iterdir():
+        if item.name.startswith("tokenizer") or item.name in ("special_tokens_map.json",):
+            shutil.copy(item, out / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        _save_model(tokenizer, out, **shape)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return out
+
+
+def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path, **shape: object) -> None:
+    """Initialise the random-weight Qwen2 model for ``tokenizer`` and save it to ``out``.
+
+    ``shape`` overrides the tiny model's config fields."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
-    config = Qwen2Config(
+    fields = dict(
         vocab_size=-(-len(tokenizer) // 64) * 64,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
-        max_window_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -242,6 +269,9 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
         pad_token_id=pad_id,
         dtype="float32",
     )
+    fields.update(shape)
+    fields.setdefault("max_window_layers", fields["num_hidden_layers"])
+    config = Qwen2Config(**fields)
     model = AutoModelForCausalLM.from_config(config)
     # A random output head with the default std (0.02) gives logits so flat that no adapter can
     # make any token likelier than ~1%; std 0.09 gives logits of std ~1 over the vocabulary, like a

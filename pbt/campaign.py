@@ -102,7 +102,7 @@ class Campaign:
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(path.read_text())
         rng = random.Random(campaign.manifest.training.seed)
-        members = create_population(manifest=campaign.manifest, rng=rng)
+        members = create_population(manifest=campaign.manifest, rng=rng).records()
         events = [
             {
                 "generation": 0,

@@ -49,11 +49,17 @@ class ModelConfig:
     model with a locally trained tokenizer, built once and cached; needs no download)."""
     dtype: Dtype = "auto"
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
+    pad_token: str | None = None
+    """The padding token; default the tokenizer's own, else its EOS token."""
+    pad_token_id: int | None = None
+    """Checked against the tokenizer: the id ``pad_token`` (or the default) must have."""
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
         if not self.name.strip():
             problems.append(f"{prefix}.name is empty; give a model folder, hub id or builtin:tiny")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
         return problems
 
 

@@ -150,6 +150,22 @@ class Mutations:
         """:meth:`mutate` applied to each selected parent, in order, with its elite flag."""
         return [self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite) for s in selected]
 
+    def mutation(self, population, rng: random.Random | None = None):
+        """AgileRL's call on a library-mode population: each agent keeps or changes one
+        hyperparameter (the elite as ``mutate_elite`` says), in place; returns the population.
+
+        Args:
+            population: A ``Population`` (or any agents with ``hyperparameters``,
+                ``set_hyperparameters``, ``is_elite`` and ``mutation``).
+            rng: The generator to draw from; default the population's own.
+        """
+        rng = rng or population.rng
+        for agent in population:
+            values, how = self.mutate(agent.hyperparameters, rng, is_elite=agent.is_elite)
+            agent.set_hyperparameters(values)
+            agent.mutation = how
+        return population
+
     def _mutable_names(self, hyperparameters: dict[str, float]) -> list[str]:
         names = sorted(name for name in self.ranges if name in hyperparameters)
         if not names:

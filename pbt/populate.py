@@ -1,7 +1,8 @@
 """Build a population from ``INIT_HP`` (or a manifest), and its selection and mutation.
 
 ``create_population`` is the public Python API; ``pbt run`` uses the same call. It loads no
-model: it returns member records whose hyperparameters the members apply when they start.
+model: it returns a :class:`~pbt.library.Population` of agents that materialise on one shared
+base model when first used, and whose records the campaign controller stores.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from pbt.config import MUTABLE_HYPERPARAMETERS, Manifest
 from pbt.errors import ConfigError
+from pbt.library import Population
 from pbt.manifest import manifest_from_dict
 from pbt.mutation import HPRange, Mutations
 from pbt.population import MemberRecord
@@ -88,29 +90,64 @@ def check_campaign(manifest: Manifest) -> list[str]:
 def create_population(
     INIT_HP: dict[str, Any] | None = None,
     *,
+    algo: str | None = None,
     manifest: Manifest | None = None,
+    config: dict[str, Any] | None = None,
     population_size: int | None = None,
     hp_config: dict[str, dict[str, Any]] | None = None,
     init_sampler: str | None = None,
+    model_name: str | None = None,
+    device: str | None = None,
     rng: random.Random | None = None,
-) -> list[MemberRecord]:
-    """The members of generation 0.
+) -> Population:
+    """The population of generation 0: agents that load nothing until first used.
 
     Args:
-        INIT_HP: AgileRL-style hyperparameters (``LR``, ``GROUP_SIZE``, ``POP_SIZE``, ``FSDP``,
-            ...); used when ``manifest`` is not given.
+        INIT_HP: AgileRL-style hyperparameters (``LR``, ``GROUP_SIZE``, ``POP_SIZE``, ``FSDP``
+            as True or a dict of ``FSDPConfig`` fields, ...); used when ``manifest`` is not given.
+        algo: the algorithm (``"GRPO"``); same as ``INIT_HP["ALGO"]``.
         manifest: a validated manifest (what ``pbt run`` passes).
+        config: any other manifest sections (``{"task": {...}, "lora": {...}}``).
         population_size: overrides ``population.size``.
         hp_config: mutation ranges, ``{name: {min, max, ...}}``; overrides ``mutation.ranges``.
         init_sampler: ``none`` (every member starts from the manifest's values) or ``random``
             (each member's values drawn from the ranges, log-uniformly where a range says so).
-        rng: the generator for sampling; seeded from ``training.seed`` when omitted.
+        model_name: the base model (``model.name``): a local folder, hub id or ``builtin:tiny``.
+        device: ``auto``, ``cpu`` or ``cuda`` (``training.device``).
+        rng: the generator for sampling and, in library mode, evolution; seeded from
+            ``training.seed`` when omitted.
 
     Raises:
         ConfigError: any bad key or value, all reported together.
     """
     if manifest is None:
-        manifest = manifest_from_dict({"INIT_HP": dict(INIT_HP or {})})
+        sections = {name: dict(values) for name, values in (config or {}).items()}
+        init_hp = dict(INIT_HP or {})
+        if algo is not None:
+            init_hp["ALGO"] = algo
+        for value, section, key in ((model_name, "model", "name"), (device, "training", "device")):
+            if value is not None:
+                sections.setdefault(section, {})[key] = value
+        manifest = manifest_from_dict({**sections, "INIT_HP": init_hp})
+    elif INIT_HP or config:
+        raise ConfigError(
+            [
+                "create_population takes a manifest or INIT_HP/config, not both; fold the "
+                "INIT_HP values into the manifest"
+            ]
+        )
+    elif algo is not None and algo != manifest.algorithm.name:
+        raise ConfigError(
+            [
+                f"algo ({algo!r}) contradicts the manifest's algorithm.name "
+                f"({manifest.algorithm.name!r}); drop algo or change the manifest"
+            ]
+        )
+    if manifest is not None and (model_name or device):
+        manifest.model = dataclasses.replace(manifest.model, name=model_name or manifest.model.name)
+        manifest.training = dataclasses.replace(
+            manifest.training, device=device or manifest.training.device
+        )
     if population_size is not None:
         manifest.population = dataclasses.replace(manifest.population, size=population_size)
     if hp_config is not None:
@@ -131,4 +168,4 @@ def create_population(
         members.append(
             MemberRecord(member_id=f"g000-m{i:02d}", generation=0, hyperparameters=values)
         )
-    return members
+    return Population(manifest, members, rng)

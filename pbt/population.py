@@ -8,6 +8,7 @@ speak in these records.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,3 +46,10 @@ class MemberRecord:
             return -math.inf
         recent = self.fitness_history[-window:]
         return sum(recent) / len(recent)
+
+
+def member_seed(campaign_seed: int, member_id: str) -> int:
+    """A member's seed: fixed by the campaign seed and the member's id, so a re-run task
+    (after a crash or a retry) samples exactly what the first attempt did, and a library-mode
+    member samples what the same member of a campaign would."""
+    return (campaign_seed * 1_000_003 + zlib.crc32(member_id.encode())) % (2**31 - 1)

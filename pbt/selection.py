@@ -59,19 +59,28 @@ class TournamentSelection:
         self.population_size = population_size
         self.fitness_window = fitness_window
 
-    def select(self, population: list[MemberRecord], rng: random.Random) -> list[Selected]:
+    def select(self, population, rng: random.Random | None = None):
         """Choose the parents of the next generation.
 
         Args:
-            population: The evaluated members of the current generation, in slot order.
-            rng: The campaign's seeded generator; the only source of randomness used.
+            population: The evaluated members of the current generation, in slot order: the
+                controller's records, or a library-mode ``Population``.
+            rng: The seeded generator, the only source of randomness used; a library
+                population brings its own.
 
         Returns:
-            Exactly ``population_size`` entries; with elitism the first is the elite.
+            For records, exactly ``population_size`` :class:`Selected` entries, the elite first
+            with elitism. For a library population, the population itself, now holding clones
+            of the winners (AgileRL's ``pop = tournament.select(pop)``).
 
         Raises:
             ConfigError: When the population is smaller than one tournament.
         """
+        next_generation = getattr(population, "next_generation", None)
+        if next_generation is not None:
+            return next_generation(self.select(population.records(), rng or population.rng))
+        if rng is None:
+            raise TypeError("select(records, rng): a list of records needs the campaign's rng")
         self._check_population(population)
         scores = [self._score(member) for member in population]
         chosen: list[Selected] = []

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import sys
 import time
-import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -80,17 +79,9 @@ def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float
 
     Under torchrun every rank runs this; only rank 0 prints and writes files.
     """
-    from transformers.utils import logging as hf_logging
-
     from pbt.algorithms.member import Member
     from pbt.distributed import pick_device, shutdown, world_info
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    # peft asks transformers a deprecated question on every adapter load; not the user's concern
-    warnings.filterwarnings(
-        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-    )
     world = world_info()
     device = pick_device(manifest.training.device, world.local_rank)
     member = Member(manifest, device)

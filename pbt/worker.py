@@ -16,36 +16,22 @@ import contextlib
 import os
 import sys
 import time
-import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
 from pbt.errors import PbtError
 from pbt.launch import Heartbeat, read_json, write_json_atomic
 from pbt.manifest import manifest_from_dict
-
-
-def task_seed(campaign_seed: int, member_id: str) -> int:
-    """A member's seed: fixed by the campaign seed and the member's id, so a re-run task
-    (after a crash or a retry) samples exactly what the first attempt did."""
-    return (campaign_seed * 1_000_003 + zlib.crc32(member_id.encode())) % (2**31 - 1)
+from pbt.population import member_seed
 
 
 def run_task(task: dict[str, Any]) -> dict[str, Any]:
     """Train the member described by ``task`` and return its result (every rank calls this)."""
     import torch
-    from transformers.utils import logging as hf_logging
 
     from pbt.algorithms.member import Member, seed_everything
     from pbt.distributed import pick_device, shutdown, world_info
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    # peft asks transformers a deprecated question on every adapter load; not the user's concern
-    warnings.filterwarnings(
-        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-    )
     campaign = Path(task["campaign_dir"])
     manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
     world = world_info()
@@ -56,7 +42,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
         if task["parent_checkpoint"]:
             member.load(campaign / task["parent_checkpoint"])
         member.learner.apply_hyperparameters(task["hyperparameters"])
-        seed = task_seed(manifest.training.seed, task["member_id"])
+        seed = member_seed(manifest.training.seed, task["member_id"])
         seed_everything(seed + world.rank)
         member.learner.generator.manual_seed(seed)
         member.lineage = {

@@ -10,6 +10,11 @@ from pbt.manifest import manifest_from_dict
 
 def small_manifest(tmp_path: Path, **sections: dict) -> Manifest:
     """A fast manifest on the tiny model: 2 prompts x 4 completions x 6 tokens per step."""
+    return manifest_from_dict(small_sections(tmp_path, **sections), base_dir=tmp_path)
+
+
+def small_sections(tmp_path: Path, **sections: dict) -> dict:
+    """The sections of :func:`small_manifest`, as a dict (for ``create_population(config=)``)."""
     data = {
         "model": {"name": "builtin:tiny"},
         "optim": {"lr": 5e-3},
@@ -20,4 +25,4 @@ def small_manifest(tmp_path: Path, **sections: dict) -> Manifest:
     }
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
-    return manifest_from_dict(data, base_dir=tmp_path)
+    return data
