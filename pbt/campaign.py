@@ -34,7 +34,7 @@ from pbt.errors import PbtError
 from pbt.launch import LocalLauncher, Outcome, TaskSpec, kill_orphan, write_json_atomic
 from pbt.manifest import manifest_from_dict
 from pbt.populate import build_mutations, build_selection, create_population
-from pbt.population import MemberRecord
+from pbt.population import MemberRecord, rng_from_json, rng_to_json
 from pbt.store import STORE_FILENAME, CampaignStore
 
 
@@ -149,8 +149,7 @@ class Campaign:
         """Train generation after generation until the budget is spent; returns the best member."""
         last = self.store.last_committed_generation()
         state = self.store.controller_state(last)
-        rng = random.Random()
-        rng.setstate(_rng_from_json(state["rng"]))
+        rng = rng_from_json(state["rng"])
         elapsed, gpu_seconds = state["elapsed_s"], state["gpu_seconds"]
         generation = last + 1
         self._collect_garbage()
@@ -404,14 +403,9 @@ def _acquire_lock(path: Path):
 
 
 def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:
-    version, internal, gauss = rng.getstate()
     return {
-        "rng": [version, list(internal), gauss],
+        "rng": rng_to_json(rng),
         "elapsed_s": elapsed,
         "gpu_seconds": gpu_seconds,
     }
 
-
-def _rng_from_json(state: list[Any]) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

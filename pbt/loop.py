@@ -17,16 +17,18 @@ in ``output_dir`` unless ``tracking`` names a server); only rank 0 writes files 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from pbt import __version__
 from pbt.errors import ConfigError, PbtError
 from pbt.launch import read_json, write_json_atomic
 from pbt.library import Agent, Population
-from pbt.population import MemberRecord
+from pbt.population import MemberRecord, rng_from_json, rng_to_json
 
 STATE_FILE = "population.json"
 STATE_VERSION = 1
@@ -164,8 +166,12 @@ class _Run:
         self.evaluated_at = self.step
 
     def evolve(self) -> None:
+        previous = [agent.member_id for agent in self.pop]
         self.pop.evolve()
         self.evolved_at = self.step
+        if self.tracker is not None:
+            for member_id in previous:
+                self.tracker.end_run(member_id)
         self._start_runs()
         for agent in self.pop:
             self._say(f"  {agent.member_id} <- {agent.parent_id}: {agent.mutation}")
@@ -204,7 +210,7 @@ class _Run:
                 "generation": self.pop.generation,
                 "evaluated_at": self.evaluated_at,
                 "evolved_at": self.evolved_at,
-                "rng": _rng_to_json(self.pop.rng.getstate()),
+                "rng": rng_to_json(self.pop.rng),
                 "members": members,
                 "elite": self.pop.elite.member_id if self.pop.elite else None,
             }
@@ -246,7 +252,7 @@ class _Run:
             agent.is_elite = bool(entry["is_elite"])
             agents.append(agent)
         self.pop.generation = state["generation"]
-        self.pop.rng.setstate(_rng_from_json(state["rng"]))
+        self.pop.rng.setstate(rng_from_json(state["rng"]).getstate())
         self.pop.elite = next((a for a in agents if a.member_id == state["elite"]), None)
         self.step = state["step"]
         self.evaluated_at = state["evaluated_at"]
@@ -259,7 +265,17 @@ class _Run:
     def _start_runs(self) -> None:
         if self.tracker is None:
             return
-        self.tracker.start_run("population", name=self.out.name)
+        manifest = self.pop.manifest
+        self.tracker.start_run(
+            "population",
+            name=self.out.name,
+            params={
+                f"{section}.{key}": value
+                for section in ("model", "lora", "optim", "algorithm", "rollout", "task")
+                for key, value in dataclasses.asdict(getattr(manifest, section)).items()
+            }
+            | {"seed": manifest.training.seed, "size": len(self.pop), "version": __version__},
+        )
         for agent in self.pop:
             self.tracker.start_run(
                 agent.member_id,
@@ -299,13 +315,3 @@ def _tracker(out: Path, tracking: bool | str) -> Any:
 
 def _next_multiple(value: int, interval: int) -> int:
     return (value // interval + 1) * interval
-
-
-def _rng_to_json(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_from_json(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

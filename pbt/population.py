@@ -8,6 +8,7 @@ speak in these records.
 from __future__ import annotations
 
 import math
+import random
 import zlib
 from dataclasses import dataclass, field
 from typing import Literal
@@ -53,3 +54,17 @@ def member_seed(campaign_seed: int, member_id: str) -> int:
     (after a crash or a retry) samples exactly what the first attempt did, and a library-mode
     member samples what the same member of a campaign would."""
     return (campaign_seed * 1_000_003 + zlib.crc32(member_id.encode())) % (2**31 - 1)
+
+
+def rng_to_json(rng: random.Random) -> list:
+    """A ``random.Random``'s state as JSON-able data."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def rng_from_json(state: list) -> random.Random:
+    """The ``random.Random`` whose state :func:`rng_to_json` gave."""
+    version, internal, gauss = state
+    rng = random.Random()
+    rng.setstate((version, tuple(internal), gauss))
+    return rng

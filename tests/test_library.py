@@ -385,3 +385,35 @@ def test_example_population_learns(tmp_path):
     assert summary["initial"] < 0.25
     assert summary["final_mean"] > summary["initial"] + 0.2
     assert (tmp_path / "run" / "best" / "attributes.pt").exists()
+
+
+def test_train_population_logs_to_mlflow(tmp_path):
+    from mlflow import MlflowClient
+
+    out = tmp_path / "run"
+    train_population(_loop_population(tmp_path), steps=4, evo_steps=2, output_dir=out)
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name.startswith("population")]
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"run", *(f"g00{g}-m0{i}" for g in (0, 1) for i in range(3))}
+    parent = runs.pop("run")
+    assert parent.data.params["algorithm.group_size"] == "4"
+    assert parent.data.params["seed"] == "0"
+    assert [m.step for m in client.get_metric_history(parent.info.run_id, "best_fitness")] == [
+        2,
+        4,
+    ]
+    for name, run in runs.items():
+        assert run.info.status == "FINISHED", name
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.tags["member"] == name
+        history = client.get_metric_history(run.info.run_id, "reward_mean")
+        fitness = client.get_metric_history(run.info.run_id, "fitness")
+        lr = client.get_metric_history(run.info.run_id, "lr")
+        if name.startswith("g000"):
+            assert [m.step for m in history] == [1, 2] and [m.step for m in fitness] == [2]
+        else:
+            assert run.data.tags["parent_member"].startswith("g000-m0")
+            assert run.data.tags["mutation"]
+            assert [m.step for m in history] == [3, 4] and [m.step for m in fitness] == [4]
+        assert lr and all(m.value > 0 for m in lr)
