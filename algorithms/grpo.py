@@ -243,6 +243,8 @@ class GRPO:
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
+        if self.device.type == "cuda":
+            metrics["gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
     def learn(self, batch: RolloutBatch, rewards: Tensor) -> dict[str, float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import random
 import shutil
@@ -29,13 +30,32 @@ from typing import Any
 
 import yaml
 
+from pbt.campaign_log import CampaignLog
 from pbt.config import Manifest
 from pbt.errors import PbtError
 from pbt.launch import LocalLauncher, Outcome, TaskSpec, kill_orphan, write_json_atomic
 from pbt.manifest import manifest_from_dict
-from pbt.populate import build_mutations, build_selection, create_population
+from pbt.populate import (
+    INIT_STUDY,
+    base_hyperparameters,
+    build_mutations,
+    build_selection,
+    create_population,
+    hp_ranges,
+)
 from pbt.population import MemberRecord, rng_from_json, rng_to_json
+from pbt.search import (
+    OptunaSearch,
+    record_initial_fitness,
+    record_members,
+    study_storage,
+)
 from pbt.store import STORE_FILENAME, CampaignStore
+
+SEARCH_STUDY = "search"
+"""The Optuna study of the ``optuna`` strategy: one trial per member trained from scratch."""
+POPULATION_STUDY = "population"
+"""Every trained PBT member as a completed trial, for optuna-dashboard."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +87,7 @@ class Campaign:
         self.mutations = build_mutations(self.manifest)
         self.member_command = member_command
         self.say = print
+        self.log = CampaignLog(directory, self.manifest)
 
     # -- creation and resume ---------------------------------------------------------------
 
@@ -102,7 +123,23 @@ class Campaign:
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(path.read_text())
         rng = random.Random(campaign.manifest.training.seed)
-        members = create_population(manifest=campaign.manifest, rng=rng).records()
+        if campaign.manifest.search.strategy == "optuna":
+            search = campaign._search()
+            members = []
+            for i in range(campaign.manifest.population.size):
+                number, hyperparameters = search.trial_for(f"g000-m{i:02d}")
+                members.append(
+                    MemberRecord(
+                        member_id=f"g000-m{i:02d}",
+                        generation=0,
+                        hyperparameters=hyperparameters,
+                        mutation=f"trial {number}",
+                    )
+                )
+        else:
+            storage = study_storage(directory)
+            members = create_population(manifest=campaign.manifest, rng=rng, storage=storage)
+            members = members.records()
         events = [
             {
                 "generation": 0,
@@ -139,7 +176,8 @@ class Campaign:
         return cls(directory, raw, member_command)
 
     def close(self) -> None:
-        """Release the store and the controller lock."""
+        """Send what is left to the tracking store, then release the store and the lock."""
+        self.log.close()
         self.store.close()
         self._lock.close()
 
@@ -153,6 +191,9 @@ class Campaign:
         elapsed, gpu_seconds = state["elapsed_s"], state["gpu_seconds"]
         generation = last + 1
         self._collect_garbage()
+        self.log.started(self.dir / "manifest.yaml")
+        if last >= 0:  # what followed the last commit may not have happened before a crash
+            self._record_in_studies(last, self.store.members(last), final=False)
         while True:
             started = time.monotonic()
             gpu_seconds += self._train_generation(generation)
@@ -172,6 +213,8 @@ class Campaign:
                 _controller_state(rng, elapsed, gpu_seconds),
                 best_pair,
             )
+            self.log.generation_committed(generation, finished)
+            self._record_in_studies(generation, finished, final=bool(reason))
             self.say(
                 f"generation {generation} committed: best {best.member_id} fitness {best_pair[1]:.3f}"
             )
@@ -179,12 +222,15 @@ class Campaign:
             if reason:
                 overall = self.store.best()
                 record = self.store.member(overall[0])
+                self.log.finished(self.dir / record.checkpoint if record.checkpoint else None)
                 return Summary(
                     generation + 1, overall[0], overall[1], record.checkpoint or "", reason
                 )
             generation += 1
 
     def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
+        if self.manifest.search.strategy == "optuna":
+            return self._next_trials(generation, finished)
         selected = self.selection.select(finished, rng)
         mutated = self.mutations.mutate_population(selected, rng)
         members, events = [], []
@@ -212,15 +258,111 @@ class Campaign:
             )
         return members, events
 
+    # -- the Optuna strategy and the studies -------------------------------------------------
+
+    def _search(self) -> OptunaSearch:
+        cfg = self.manifest.search
+        return OptunaSearch(
+            hp_ranges(self.manifest),
+            base_hyperparameters(self.manifest),
+            storage=study_storage(self.dir),
+            study_name=SEARCH_STUDY,
+            sampler=cfg.sampler,
+            pruner=cfg.pruner,
+            seed=self.manifest.training.seed,
+            max_generations=cfg.trial_generations,
+            startup_trials=cfg.startup_trials,
+        )
+
+    def _trial_root(self, m: MemberRecord) -> MemberRecord:
+        """The member that started ``m``'s trial (trained from scratch)."""
+        while m.parent_id is not None:
+            m = self.store.member(m.parent_id)
+        return m
+
+    def _next_trials(self, generation: int, finished: list[MemberRecord]):
+        """Each slot continues its trial, or starts a new one when the pruner stopped it or it
+        trained ``trial_generations`` generations."""
+        search = self._search()
+        members, events = [], []
+        for slot, m in enumerate(finished):
+            root = self._trial_root(m)
+            child_id = f"g{generation + 1:03d}-m{slot:02d}"
+            fitness = m.fitness_history[-1] if m.fitness_history else math.nan
+            if search.report(root.member_id, fitness, m.generation - root.generation):
+                number, hyperparameters = search.trial_for(child_id)
+                child = MemberRecord(
+                    member_id=child_id,
+                    generation=generation + 1,
+                    hyperparameters=hyperparameters,
+                    mutation=f"trial {number}",
+                )
+                kind, detail = "create", f"trial {number} replaces the trial of {root.member_id}"
+            else:
+                child = MemberRecord(
+                    member_id=child_id,
+                    generation=generation + 1,
+                    parent_id=m.member_id,
+                    parent_checkpoint=m.checkpoint,
+                    hyperparameters=dict(m.hyperparameters),
+                    mutation=f"trial of {root.member_id} continues",
+                    fitness_history=list(m.fitness_history),
+                    steps=m.steps,
+                )
+                kind, detail = "clone", child.mutation
+            members.append(child)
+            events.append(
+                {
+                    "generation": generation + 1,
+                    "member_id": child_id,
+                    "parent_id": child.parent_id,
+                    "kind": kind,
+                    "detail": detail,
+                }
+            )
+        return members, events
+
+    def _record_in_studies(self, generation: int, finished: list[MemberRecord], final: bool):
+        """Fitness into the Optuna studies (idempotent): generation 0's draws complete their
+        trials (a later campaign can warm-start from them), PBT members become trials of the
+        ``population`` study, and a search's unfinished trials complete when the campaign ends."""
+        done = [m for m in finished if m.status == "done" and m.fitness_history]
+        storage = study_storage(self.dir)
+        ranges = hp_ranges(self.manifest)
+        if self.manifest.search.strategy == "optuna":
+            if final:  # the budget ends the trials still running, after their last report
+                search = self._search()
+                for m in done:
+                    root = self._trial_root(m)
+                    fitness = m.fitness_history[-1]
+                    if not search.report(root.member_id, fitness, m.generation - root.generation):
+                        search.finish(root.member_id, fitness)
+            return
+        if not ranges:
+            return
+        if generation == 0 and self.manifest.population.init_sampler != "none":
+            fitness = {m.member_id: m.fitness_history[-1] for m in done}
+            record_initial_fitness(storage, INIT_STUDY, fitness)
+        record_members(
+            storage,
+            POPULATION_STUDY,
+            ranges,
+            [(m.member_id, m.hyperparameters, m.fitness_history[-1], m.generation) for m in done],
+        )
+
     def _stop_reason(
         self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
     ) -> str:
         budget = self.manifest.budget
         best = max(m.fitness(self.manifest.population.fitness_window) for m in finished)
-        total_steps = sum(
-            m.steps
+        # each member that trained (not one replaced by a clone) trained evo_steps steps; its
+        # own step count is its lineage's, parents' steps included
+        total_steps = self.manifest.population.evo_steps * sum(
+            1
             for m in self.store.members()
-            if m.status == "done" and m.generation <= generation
+            if m.status == "done"
+            and m.generation <= generation
+            and not (m.mutation or "").startswith("replaced")
         )
         checks = [
             (generation + 1 >= budget.generations, f"{budget.generations} generations done"),
@@ -255,6 +397,7 @@ class Campaign:
             if m.status == "running" and kill_orphan(self.dir / "tasks" / m.member_id):
                 self.say(f"  ended {m.member_id}'s process left by the previous controller")
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
+        self.log.members_started(pending)
         while pending:
             for m in pending:
                 m.attempts += 1
@@ -344,6 +487,7 @@ class Campaign:
         m.steps = int(result["steps"])
         self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
         self.store.update_member(m)
+        self.log.member_finished(m, result)
         self.say(
             f"  {m.member_id} done: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) in {outcome.seconds:.0f} s"
         )
@@ -354,6 +498,7 @@ class Campaign:
         )
         m.status = "failed"
         self.store.update_member(m)
+        self.log.member_failed(m, outcome.status, outcome.detail, final=action == "replacing")
         reason = outcome.detail.splitlines()[0] if outcome.detail else ""
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         self.say(
@@ -408,4 +553,3 @@ def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) ->
         "elapsed_s": elapsed,
         "gpu_seconds": gpu_seconds,
     }
-

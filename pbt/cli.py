@@ -6,6 +6,8 @@
     pbt lineage DIR [--png FILE]     the family tree, as text and as a picture
     pbt inspect CHECKPOINT           what a checkpoint holds, digests checked
     pbt export CHECKPOINT OUT        the adapter as a PEFT folder (or --merge: a full model)
+    pbt ui DIR [--port P]            the MLflow UI on a campaign's (or population's) runs
+    pbt dashboard DIR [--port P]     optuna-dashboard on a campaign's studies
     pbt train [MANIFEST]             train one member on its own
     pbt check MANIFEST               validate a manifest
 
@@ -112,6 +114,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ui(args: argparse.Namespace) -> int:
+    from pbt.serve import serve_mlflow
+
+    return serve_mlflow(Path(args.dir), args.port)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from pbt.serve import serve_dashboard
+
+    return serve_dashboard(Path(args.dir), args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pbt`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(
@@ -145,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--merge", action="store_true", help="merge into the base model and save it whole"
     )
     export.set_defaults(func=_export)
+
+    for name, func, text, port in (
+        ("ui", _ui, "open the MLflow UI on a campaign's runs (localhost only)", 5000),
+        ("dashboard", _dashboard, "open optuna-dashboard on a campaign's studies", 8080),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir")
+        p.add_argument("--port", type=int, default=port)
+        p.set_defaults(func=func)
 
     from pbt.train import build_parser as train_parser
 

@@ -342,11 +342,23 @@ class PopulationConfig:
     """Fitness is the mean of this many latest evaluations."""
     evo_steps: int = 10
     """Training steps of each member between two selections."""
-    init_sampler: Literal["none", "random"] = "none"
-    """``random`` draws each member's starting hyperparameters from the mutation ranges."""
+    init_sampler: Literal["none", "random", "qmc", "tpe"] = "none"
+    """How generation 0's hyperparameters are drawn from the mutation ranges (log-uniform where
+    a range says ``log``): ``none`` keeps the manifest's values for every member, ``random``
+    samples independently, ``qmc`` spreads the population evenly (scrambled Sobol), ``tpe``
+    learns from ``warm_start``'s trials."""
+    warm_start: str | None = None
+    """An earlier campaign's directory whose Optuna study seeds ``tpe`` (relative to the
+    manifest's folder)."""
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
+        if self.warm_start is not None and self.init_sampler != "tpe":
+            problems.append(
+                f"{prefix}.warm_start ({self.warm_start!r}) only informs init_sampler: tpe, "
+                f"but init_sampler is {self.init_sampler!r}; set init_sampler: tpe or drop "
+                "warm_start"
+            )
         _positive(problems, f"{prefix}.size", self.size)
         _positive(problems, f"{prefix}.evo_steps", self.evo_steps)
         _positive(problems, f"{prefix}.fitness_window", self.fitness_window)
@@ -372,6 +384,51 @@ class MutationConfig:
 
     def check(self, prefix: str) -> list[str]:
         return []  # validated by pbt.mutation.Mutations when the manifest is loaded
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchConfig:
+    """The search strategy: population-based training, or Optuna trials from scratch."""
+
+    strategy: Literal["pbt", "optuna"] = "pbt"
+    """``pbt``: tournament selection and mutation every generation. ``optuna``: every member is
+    an Optuna trial trained from scratch for ``trial_generations`` generations, its fitness
+    reported after each; pruned and finished trials make way for new ones."""
+    sampler: Literal["tpe", "gp", "random", "qmc"] = "tpe"
+    """How the ``optuna`` strategy picks each new trial's hyperparameters."""
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    trial_generations: int = 4
+    """Generations one trial trains at most (the pruner's full budget)."""
+    startup_trials: int = 4
+    """Trials completed before the pruner and the sampler start deciding."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        _positive(problems, f"{prefix}.trial_generations", self.trial_generations)
+        if self.startup_trials < 0:
+            problems.append(f"{prefix}.startup_trials ({self.startup_trials}) must be >= 0")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    """Where a campaign's runs, metrics and artifacts are logged (MLflow)."""
+
+    enabled: bool = True
+    uri: str | None = None
+    """A tracking server (``http://host:5000``) or store URI; default an embedded SQLite store,
+    ``<campaign>/mlflow.db``."""
+    experiment: str | None = None
+    """Default: ``campaign <campaign directory>``."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.uri is not None and "://" not in self.uri:
+            problems.append(
+                f"{prefix}.uri ({self.uri!r}) must be a URI such as http://127.0.0.1:5000 or "
+                "sqlite:///path/mlflow.db; leave it unset for the campaign's own store"
+            )
+        return problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -448,8 +505,10 @@ class Manifest:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     mutation: MutationConfig = field(default_factory=MutationConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     base_dir: str = "."
     """Folder of the manifest file; relative paths in it resolve against this (set by the loader)."""
 
@@ -482,7 +541,9 @@ SECTIONS = (
     "training",
     "population",
     "mutation",
+    "search",
     "budget",
     "launch",
+    "tracking",
 )
 """The manifest's sections, in the order problems are reported."""

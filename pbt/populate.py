@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 from pbt.config import MUTABLE_HYPERPARAMETERS, Manifest
@@ -99,6 +100,7 @@ def create_population(
     model_name: str | None = None,
     device: str | None = None,
     rng: random.Random | None = None,
+    storage: str | None = None,
 ) -> Population:
     """The population of generation 0: agents that load nothing until first used.
 
@@ -110,12 +112,16 @@ def create_population(
         config: any other manifest sections (``{"task": {...}, "lora": {...}}``).
         population_size: overrides ``population.size``.
         hp_config: mutation ranges, ``{name: {min, max, ...}}``; overrides ``mutation.ranges``.
-        init_sampler: ``none`` (every member starts from the manifest's values) or ``random``
-            (each member's values drawn from the ranges, log-uniformly where a range says so).
+        init_sampler: ``none`` (every member starts from the manifest's values), ``random``,
+            ``qmc`` (an evenly spread population) or ``tpe`` (informed by
+            ``population.warm_start``): values drawn from the ranges through an Optuna study,
+            log-uniformly where a range says so.
         model_name: the base model (``model.name``): a local folder, hub id or ``builtin:tiny``.
         device: ``auto``, ``cpu`` or ``cuda`` (``training.device``).
-        rng: the generator for sampling and, in library mode, evolution; seeded from
+        rng: the generator evolution draws from in library mode; seeded from
             ``training.seed`` when omitted.
+        storage: the Optuna storage that keeps the initial draws (a campaign passes its
+            ``optuna.db``); default in memory.
 
     Raises:
         ConfigError: any bad key or value, all reported together.
@@ -158,14 +164,37 @@ def create_population(
     if problems:
         raise ConfigError(problems)
     rng = rng or random.Random(manifest.training.seed)
-    ranges = hp_ranges(manifest)
-    base = base_hyperparameters(manifest)
-    members = []
-    for i in range(manifest.population.size):
-        values = dict(base)
-        if manifest.population.init_sampler == "random":
-            values |= {name: r.clip_cast(r.resample(rng)) for name, r in sorted(ranges.items())}
-        members.append(
-            MemberRecord(member_id=f"g000-m{i:02d}", generation=0, hyperparameters=values)
-        )
+    members = [
+        MemberRecord(member_id=f"g000-m{i:02d}", generation=0, hyperparameters=values)
+        for i, values in enumerate(initial_hyperparameters(manifest, storage))
+    ]
     return Population(manifest, members, rng)
+
+
+INIT_STUDY = "initial-population"
+"""The Optuna study that holds a campaign's generation-0 draws and their fitness."""
+
+
+def initial_hyperparameters(manifest: Manifest, storage: str | None) -> list[dict[str, float]]:
+    """Generation 0's hyperparameters, one dict per member, as ``population.init_sampler`` says."""
+    base = base_hyperparameters(manifest)
+    pop = manifest.population
+    ranges = hp_ranges(manifest)
+    if pop.init_sampler == "none" or not ranges:
+        return [dict(base) for _ in range(pop.size)]
+    from pbt.search import sample_initial
+
+    warm_start = None
+    if pop.warm_start is not None:
+        is_url = "://" in pop.warm_start
+        warm_start = pop.warm_start if is_url else str(Path(manifest.base_dir) / pop.warm_start)
+    return sample_initial(
+        ranges,
+        base,
+        pop.size,
+        sampler=pop.init_sampler,
+        seed=manifest.training.seed,
+        storage=storage,
+        study_name=INIT_STUDY,
+        warm_start=warm_start,
+    )

@@ -98,11 +98,7 @@ def _last(m: MemberRecord) -> str:
 def lineage_png(directory: Path, out: Path) -> Path:
     """Draw the family tree: generations left to right, an edge per parent labelled with the
     mutation, and each member coloured by its fitness."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     with _open(directory) as store:
         members = store.members()
     slot = {m.member_id: int(m.member_id.rsplit("m", 1)[1]) for m in members}
@@ -147,11 +143,7 @@ def lineage_png(directory: Path, out: Path) -> Path:
     ax.set_ylabel("member slot")
     ax.set_title(f"lineage of {directory.name}")
     ax.invert_yaxis()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def fitness_curve_text(directory: Path) -> str:
@@ -166,3 +158,71 @@ def fitness_curve_text(directory: Path) -> str:
         + "#" * round(40 * max(0.0, max(v)))
         for g, v in sorted(by_gen.items())
     )
+
+
+def fitness_png(directory: Path, out: Path) -> Path:
+    """Every member's fitness by generation (dots), with the best and the mean (lines)."""
+    plt = _pyplot()
+    with _open(directory) as store:
+        members = [m for m in store.members() if m.status == "done" and m.fitness_history]
+    by_gen: dict[int, list[float]] = {}
+    for m in members:
+        by_gen.setdefault(m.generation, []).append(m.fitness_history[-1])
+    gens = sorted(by_gen)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for g in gens:
+        ax.scatter([g] * len(by_gen[g]), by_gen[g], color="0.6", s=18, zorder=2)
+    ax.plot(gens, [max(by_gen[g]) for g in gens], marker="o", label="best")
+    ax.plot(gens, [sum(by_gen[g]) / len(by_gen[g]) for g in gens], marker="s", label="mean")
+    ax.set_xlabel("generation")
+    ax.set_ylabel("fitness")
+    ax.set_title(f"fitness of {directory.name}")
+    ax.legend()
+    return _save(fig, out)
+
+
+def hyperparameters_png(directory: Path, out: Path) -> Path:
+    """Each hyperparameter's value per member slot across generations: the schedules the
+    population found (log scale for values spanning more than a decade)."""
+    plt = _pyplot()
+    with _open(directory) as store:
+        members = store.members()
+    names = sorted({k for m in members for k in m.hyperparameters})
+    varied = [n for n in names if len({m.hyperparameters.get(n) for m in members}) > 1] or names
+    fig, axes = plt.subplots(len(varied), 1, figsize=(7, 2.6 * len(varied)), squeeze=False)
+    slots = sorted({m.member_id.rsplit("m", 1)[1] for m in members})
+    for ax, name in zip(axes[:, 0], varied, strict=True):
+        for slot in slots:
+            line = sorted(
+                (m.generation, m.hyperparameters[name])
+                for m in members
+                if m.member_id.endswith(f"m{slot}") and name in m.hyperparameters
+            )
+            ax.plot([g for g, _ in line], [v for _, v in line], marker="o", label=f"m{slot}")
+        values = [m.hyperparameters[name] for m in members if name in m.hyperparameters]
+        if min(values) > 0 and max(values) / min(values) > 10:
+            ax.set_yscale("log")
+        ax.set_ylabel(name)
+    axes[-1, 0].set_xlabel("generation")
+    axes[0, 0].legend(fontsize=7, ncol=min(len(slots), 8))
+    axes[0, 0].set_title(f"hyperparameters of {directory.name}")
+    return _save(fig, out)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

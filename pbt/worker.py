@@ -52,7 +52,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
             "mutation": task["mutation"],
         }
         started = time.perf_counter()
-        metrics = _train(member, task["steps"])
+        history = _train(member, task["steps"])
         fitness = member.learner.evaluate(
             member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
         )
@@ -62,7 +62,8 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
             "status": "ok",
             "member_id": task["member_id"],
             "fitness": fitness,
-            "metrics": metrics,
+            "metrics": history[-1] if history else {},
+            "history": history,
             "steps": member.learner.step,
             "checkpoint": task["checkpoint"],
             "digest": digest,
@@ -74,17 +75,19 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
         shutdown()
 
 
-def _train(member, steps: int) -> dict[str, float]:
+def _train(member, steps: int) -> list[dict[str, float]]:
+    """Train ``steps`` steps; every step's metrics, with the lineage's step count."""
     learner, task = member.learner, member.task
-    metrics: dict[str, float] = {}
+    history = []
     for _ in range(steps):
         metrics = learner.train_step(task.train, task.reward_fn)
+        history.append({"step": learner.step, **metrics})
         print(
             f"{member.member_id} step {learner.step} reward {metrics['reward_mean']:.3f} "
             f"loss {metrics['loss']:+.4f} zero-signal {metrics['zero_signal_fraction']:.2f}",
             flush=True,
         )
-    return metrics
+    return history
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from pbt.config import Manifest
@@ -26,3 +34,61 @@ def small_sections(tmp_path: Path, **sections: dict) -> dict:
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     return data
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real ``mlflow server`` (or another local server ``command``) on localhost, which can be
+    stopped and started again on the same store."""
+
+    def __init__(
+        self, directory: Path, command: list[str] | None = None, health: str = "/health"
+    ) -> None:
+        self.health = health
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.command = command or [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+            "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{directory / 'srv.db'}",
+            "--default-artifact-root", str(directory / "art"),
+        ]  # fmt: skip
+        self.command = [str(part).replace("{port}", str(self.port)) for part in self.command]
+        self.log = directory / "server.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> None:
+        # The job runner is a second process and seconds of startup that this test doesn't use.
+        env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}{self.health}", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"mlflow server not up in {timeout} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL what is left (uvicorn runs as a child)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None

@@ -32,6 +32,7 @@ MANIFEST = {
     "budget": {"generations": 5},
     "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 5},
     "training": {"seed": 7},
+    "tracking": {"enabled": False},  # tracking has its own tests (test_campaign_tracking.py)
 }
 
 

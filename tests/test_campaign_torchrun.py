@@ -96,6 +96,23 @@ def test_fitness_improves_and_a_killed_member_is_retried(manifest: Path, tmp_pat
     assert max(last) >= max(first)
     status = subprocess.run([*PBT, "status", str(directory)], capture_output=True, text=True)
     assert status.returncode == 0 and "g002-m00" in status.stdout and "faults (1)" in status.stdout
+    # MLflow (the embedded store): real members' per-step metrics and the best adapter
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{directory.resolve()}/mlflow.db")
+    experiment = client.get_experiment_by_name(f"campaign {directory.resolve()}")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    parent = runs[directory.name]
+    history = client.get_metric_history(runs["g002-m00"].info.run_id, "kl")
+    assert [m.step for m in history] == [9, 10, 11, 12]
+    for key in ("reward_std", "clip_fraction", "zero_signal_fraction", "tokens_per_s", "lr"):
+        assert key in runs["g002-m00"].data.metrics, key
+    folder = "best_adapter/adapter"
+    adapter = {a.path for a in client.list_artifacts(parent.info.run_id, folder)}
+    assert (
+        f"{folder}/adapter_model.safetensors" in adapter
+        and f"{folder}/adapter_config.json" in adapter
+    )
 
 
 def test_killed_controller_resumes_to_the_same_decisions(manifest: Path, tmp_path: Path):

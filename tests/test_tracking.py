@@ -6,22 +6,19 @@ experiment. Nothing of MLflow is faked.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from support import MlflowServer, free_port
 
 from pbt import tracking
 from pbt.errors import PbtError
@@ -55,12 +52,6 @@ def _client(uri: str) -> MlflowClient:
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(uri: str, run_id: str, metric: str) -> list[tuple[int, float]]:
@@ -166,7 +157,7 @@ def test_start_run_reuses_the_run_of_a_key(store: str, experiment: str, tmp_path
 def test_a_new_tracker_sends_what_an_unreachable_one_left(
     store: str, experiment: str, tmp_path: Path
 ) -> None:
-    down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     journal = tmp_path / "journal"
     tracker = Tracker(down, experiment, journal)
     tracker.start_run("population", name="campaign")
@@ -297,56 +288,9 @@ def test_nan_is_kept_and_a_refused_param_is_skipped(
     assert len(refused) == 1 and "'lr'" in refused[0], refused
 
 
-class _Server:
-    """A real ``mlflow server`` on localhost that can be stopped and started on the same store."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = _free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
-            "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{directory / 'srv.db'}",
-            "--default-artifact-root", str(directory / "art"),
-        ]  # fmt: skip
-        self.log = directory / "server.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 90.0) -> None:
-        # The job runner is a second process and seconds of startup that this test doesn't use.
-        env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError(f"mlflow server not up in {timeout} s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        """SIGTERM the process group, then SIGKILL what is left (uvicorn runs as a child)."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.process = None
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[_Server]:
-    server = _Server(tmp_path)
+def server(tmp_path: Path) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path)
     try:
         server.start()
         yield server
@@ -356,7 +300,7 @@ def server(tmp_path: Path) -> Iterator[_Server]:
 
 @pytest.mark.integration
 def test_a_server_outage_loses_nothing_and_blocks_nothing(
-    server: _Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="pbt.tracking")
     tracker = Tracker(server.uri, "outage", tmp_path / "journal")

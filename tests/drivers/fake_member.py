@@ -33,23 +33,28 @@ def main() -> None:
             sys.exit(1)
         if behaviour == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        parent = 0.0
+        parent = {"fitness": 0.0, "steps": 0}
         if task["parent_checkpoint"]:
-            parent = json.loads((campaign / task["parent_checkpoint"] / "state.json").read_text())[
-                "fitness"
-            ]
+            parent = json.loads((campaign / task["parent_checkpoint"] / "state.json").read_text())
         lr = task["hyperparameters"]["lr"]
-        fitness = parent + 1.0 - abs(math.log10(lr) - math.log10(3e-3))
+        gain = 1.0 - abs(math.log10(lr) - math.log10(3e-3))
+        fitness = parent["fitness"] + gain
+        steps = parent.get("steps", 0) + task["steps"]
         ckpt = campaign / task["checkpoint"]
         ckpt.mkdir(parents=True, exist_ok=True)
-        (ckpt / "state.json").write_text(json.dumps({"fitness": fitness, "lr": lr}))
+        (ckpt / "state.json").write_text(json.dumps({"fitness": fitness, "lr": lr, "steps": steps}))
+        history = [
+            {"step": step, "reward_mean": parent["fitness"] + gain * i / task["steps"], "lr": lr}
+            for i, step in enumerate(range(steps - task["steps"] + 1, steps + 1), start=1)
+        ]
         result = {
             "status": "ok",
             "fitness": fitness,
-            "steps": task["steps"],
+            "steps": steps,
             "checkpoint": task["checkpoint"],
             "digest": f"fake-{member}",
-            "metrics": {},
+            "metrics": history[-1],
+            "history": history,
         }
     if behaviour != "no_result":
         write_json_atomic(task_path.parent / "result.json", result)

@@ -1,0 +1,191 @@
+"""Campaigns in MLflow: against a real ``mlflow server`` on localhost (through an outage too), in
+the embedded store, and in the MLflow UI as a browser renders it. The fake member keeps each
+campaign to seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support import MlflowServer
+
+from pbt.campaign import Campaign
+from pbt.store import CampaignStore
+
+pytestmark = pytest.mark.integration
+
+FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
+MANIFEST = {
+    "INIT_HP": {"TOURNAMENT_SIZE": 2, "EVO_STEPS": 2, "LR": 1e-4},
+    "population": {"size": 3, "init_sampler": "random"},
+    "mutation": {"rl_hp": 1.0, "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}}},
+    "budget": {"generations": 3},
+    "launch": {"slots": 3},
+    "training": {"seed": 11},
+}
+
+
+def _manifest(tmp_path: Path, **changes) -> Path:
+    data = json.loads(json.dumps(MANIFEST))
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _campaign_runs(uri: str, directory: Path) -> dict:
+    client = _client(uri)
+    experiment = client.get_experiment_by_name(f"campaign {directory.resolve()}")
+    assert experiment is not None, [e.name for e in client.search_experiments()]
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    return {r.info.run_name: r for r in runs}
+
+
+def _members(directory: Path):
+    with CampaignStore(directory / "store.db") as store:
+        return store.members()
+
+
+def _check_everything_arrived(uri: str, directory: Path) -> None:
+    client = _client(uri)
+    runs = _campaign_runs(uri, directory)
+    members = _members(directory)
+    parent = runs.pop(directory.name)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["training.seed"] == "11"
+    assert parent.data.params["population.size"] == "3" and "version" in parent.data.params
+    assert set(runs) == {m.member_id for m in members}
+    for generation in range(3):
+        slots = [m for m in members if m.generation == generation]
+        for m in slots:
+            run = runs[m.member_id]
+            assert run.info.status == "FINISHED", m.member_id
+            assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+            assert run.data.tags["generation"] == str(generation)
+            assert run.data.tags["parent_member"] == (m.parent_id or "")
+            assert run.data.tags["mutation"] == (m.mutation or "initial")
+            steps = [x.step for x in client.get_metric_history(run.info.run_id, "reward_mean")]
+            assert steps == list(range(m.steps - 1, m.steps + 1))  # evo_steps = 2 per task
+            (fitness,) = client.get_metric_history(run.info.run_id, "fitness")
+            assert fitness.value == pytest.approx(m.fitness_history[-1]) and fitness.step == m.steps
+            (lr,) = client.get_metric_history(run.info.run_id, "lr")[-1:]
+            assert lr.value == pytest.approx(m.hyperparameters["lr"])
+    # per generation on the campaign run: every slot's fitness and hyperparameters by step
+    for slot in ("m00", "m01", "m02"):
+        history = client.get_metric_history(parent.info.run_id, f"{slot}.lr")
+        assert [x.step for x in history] == [0, 1, 2]
+        assert [x.step for x in client.get_metric_history(parent.info.run_id, f"{slot}.fitness")]
+    best = client.get_metric_history(parent.info.run_id, "best_fitness")
+    assert [x.step for x in best] == [0, 1, 2]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"manifest.yaml", "plots"} <= artifacts
+    plots = {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
+    assert plots == {"plots/fitness.png", "plots/hyperparameters.png", "plots/lineage.png"}
+
+
+def _run(manifest: Path, directory: Path) -> None:
+    campaign = Campaign.start(manifest, directory, member_command=FAKE)
+    campaign.say = lambda *_: None
+    try:
+        campaign.run()
+    finally:
+        campaign.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    server = MlflowServer(tmp_path)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_campaign_logs_to_a_real_mlflow_server(tmp_path, server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0123456789abcdef0123456789abcdef")  # must not hijack
+    directory = tmp_path / "c"
+    _run(_manifest(tmp_path, tracking={"uri": server.uri}), directory)
+    _check_everything_arrived(server.uri, directory)
+
+
+def test_campaign_survives_a_tracking_outage(tmp_path, server):
+    """The server goes down after generation 0 and comes back a while later: the campaign runs
+    on at full speed, and every run, tag and metric arrives."""
+    directory = tmp_path / "c"
+    manifest = _manifest(tmp_path, tracking={"uri": server.uri})
+    code = (
+        "import sys\n"
+        "from pbt.campaign import Campaign\n"
+        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, member_command={FAKE!r})\n"
+        "c.run(); c.close()\n"
+    )
+    env = {**os.environ, "FAKE_MEMBER_SECONDS": "3"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (directory / "checkpoints" / "g000-m02").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    server.stop()
+    time.sleep(8)  # generation 1 trains while nothing answers
+    assert proc.poll() is None, "the campaign stopped when the tracking server did"
+    server.start()
+    assert proc.wait(timeout=180) == 0
+    _check_everything_arrived(server.uri, directory)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (./dev setup installs it)")
+def test_the_mlflow_ui_shows_the_campaign(tmp_path):
+    directory = tmp_path / "campaign-ui"
+    _run(_manifest(tmp_path), directory)  # the embedded store, directory/mlflow.db
+    uri = f"sqlite:///{directory.resolve()}/mlflow.db"
+    runs = _campaign_runs(uri, directory)
+    assert len(runs) == 1 + 3 * 3
+    experiment_id = next(iter(runs.values())).info.experiment_id
+    command = [sys.executable, "-m", "pbt.cli", "ui", str(directory), "--port", "{port}"]
+    ui = MlflowServer(tmp_path, command)
+    try:
+        ui.start()
+        page = f"{ui.uri}/#/experiments/{experiment_id}/runs"
+        text = _render(page, must_contain="10 matching runs")
+    finally:
+        ui.stop()
+    # the campaign's run is listed, its 9 member runs nested under it
+    assert "campaign-ui" in text and f"campaign {directory.resolve()}" in text
+
+
+def _render(url: str, must_contain: str, attempts: int = 4) -> str:
+    """The page's text after its scripts ran, in headless Chromium (the UI loads runs lazily:
+    retry with a longer budget until ``must_contain`` is there)."""
+    text = ""
+    for attempt in range(attempts):
+        out = subprocess.run(
+            [
+                CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                f"--virtual-time-budget={15000 * (attempt + 1)}", "--dump-dom", url,
+            ],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        dom = re.sub(r"<(style|script)\b.*?</\1>", " ", out.stdout, flags=re.S)
+        text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+        if must_contain in text:
+            return text
+    raise AssertionError(f"{must_contain!r} never rendered; the page said: {text[:1500]}")
