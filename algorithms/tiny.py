@@ -280,8 +280,14 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path, **shape: object) 
     torch.nn.init.normal_(model.lm_head.weight, std=HEAD_INIT_STD)
     # Written directly: save_pretrained writes nothing on a rank other than 0 once a process
     # group exists, and any rank of a member may be the one that builds the cache.
+    tensors, seen = {}, set()
+    for key, value in model.state_dict().items():
+        if value.data_ptr() in seen:  # a tied output head is the input embedding
+            continue
+        seen.add(value.data_ptr())
+        tensors[key] = value.contiguous()
     save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()},
+        tensors,
         out / "model.safetensors",
         metadata={"format": "pt"},
     )
