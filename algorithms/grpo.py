@@ -1,10 +1,15 @@
-"""GRPO on a LoRA adapter: rollout, group-relative advantages, clipped updates, evaluation.
+"""GRPO and its family on a LoRA adapter: rollout, group-relative advantages, updates, evaluation.
 
 One training step samples ``prompts_per_step`` prompts, ``group_size`` completions each, scores
 them, and runs ``update_epochs`` passes of mini-batch updates (micro-batches accumulate
-gradients). The reference policy for the KL term is the same model with its adapter disabled:
-no second model is held in memory. See :mod:`pbt.algorithms.losses` for the objective and where
-it deviates from the paper.
+gradients). ``algorithm.loss`` picks the objective (``grpo``, ``dr_grpo``, ``dapo``, ``cispo``,
+``gspo``; see :mod:`pbt.algorithms.objectives`, one module each with where it deviates from its
+paper); ``REINFORCE`` is the same machinery with a group-mean or leave-one-out baseline and no
+ratio. DAPO's two training-loop pieces are options of every member of the family:
+``overlong_buffer`` (a soft penalty for completions that run into the generation budget) and
+``dynamic_sampling`` (groups with no reward spread are dropped and more prompts are sampled until
+the batch is full). The reference policy for the KL term is the same model with its adapter
+disabled: no second model is held in memory.
 """
 
 from __future__ import annotations
@@ -12,26 +17,18 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import asdict
-from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from pbt.algorithms import losses
-from pbt.algorithms.rollout import RolloutBatch, generate, sequence_logprobs
+from pbt.algorithms.learner import Learner
+from pbt.algorithms.objectives import get_objective
+from pbt.algorithms.objectives.dapo import overlong_penalty
+from pbt.algorithms.rollout import RolloutBatch, concat_batches, generate, sequence_logprobs
 from pbt.algorithms.tasks import Example, RewardFn
-from pbt.config import MUTABLE_HYPERPARAMETERS, AlgorithmConfig, OptimConfig, RolloutConfig
-from pbt.distributed import all_reduce, world_info
-from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
-from pbt.distributed.state import (
-    OptimizerOffload,
-    gather_optimizer,
-    load_optimizer,
-    trainable_parameters,
-)
-from pbt.errors import ConfigError
+from pbt.distributed import all_reduce
+from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 
 ZERO_SIGNAL_HINT = (
     "every group in this batch got identical rewards, so there is nothing to learn from and the "
@@ -41,166 +38,42 @@ ZERO_SIGNAL_HINT = (
 )
 
 
-class GRPO:
-    """A GRPO learner over a peft model whose trainable parameters are the adapter.
+class GRPO(Learner):
+    """A GRPO-family learner over a peft model whose trainable parameters are the adapter.
 
-    Args:
-        model: a ``PeftModel`` (adapter trainable, base frozen) on its device.
-        tokenizer: the matching tokenizer, with a chat template and a pad token.
-        algorithm, optim, rollout: the component configs (copied; mutations change the copies).
-        total_steps: training steps planned, for the learning-rate schedule.
-        seed: seeds the learner's generator (prompt order and mini-batch shuffles); the same on
-            every rank, so all ranks draw the same global batch and take their own share.
-        fsdp: the sharding options when ``model`` is sharded with FSDP2, else None.
+    Args: as :class:`~pbt.algorithms.learner.Learner`.
     """
 
     name = "GRPO"
+    fitness_name = "held-out reward"
 
-    @classmethod
-    def population(
-        cls,
-        size: int,
-        *,
-        model_name: str | None = None,
-        pad_token_id: int | None = None,
-        pad_token: str | None = None,
-        fsdp_config: Any = None,
-        hp_config: dict[str, dict[str, Any]] | None = None,
-        config: dict[str, Any] | None = None,
-        device: str | None = None,
-        **init_hp: Any,
-    ):
-        """A library-mode population of ``size`` members of this algorithm on one shared base.
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.objective = get_objective(self.objective_name())
 
-        ``init_hp`` takes AgileRL's ``INIT_HP`` keys in either case (``lr=1e-4`` or
-        ``LR=1e-4``, ``group_size=8``, ``beta=0.01``); ``fsdp_config`` is an ``FSDPConfig``,
-        a dict of its fields, or True; ``config`` holds any other manifest sections. Nothing
-        is loaded until an agent is first used. See :func:`pbt.populate.create_population`.
-        """
-        from pbt.populate import create_population
+    def objective_name(self) -> str:
+        return self.algorithm.loss
 
-        sections = {name: dict(values) for name, values in (config or {}).items()}
-        model = sections.setdefault("model", {})
-        for key, value in (("pad_token_id", pad_token_id), ("pad_token", pad_token)):
-            if value is not None:
-                model[key] = value
-        if fsdp_config is not None:
-            fsdp = asdict(fsdp_config) if isinstance(fsdp_config, FSDPConfig) else fsdp_config
-            sections.setdefault("distributed", {})["fsdp"] = fsdp
-        return create_population(
-            {key.upper(): value for key, value in init_hp.items()},
-            algo=cls.name,
-            config=sections,
-            population_size=size,
-            hp_config=hp_config,
-            model_name=model_name,
-            device=device,
-        )
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        algorithm: AlgorithmConfig,
-        optim: OptimConfig,
-        rollout: RolloutConfig,
-        total_steps: int,
-        seed: int = 0,
-        fsdp: FSDPConfig | None = None,
-    ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.algorithm = AlgorithmConfig(**asdict(algorithm))
-        self.optim_cfg = OptimConfig(**asdict(optim))
-        self.rollout_cfg = RolloutConfig(**asdict(rollout))
-        self.total_steps = total_steps
-        self.step = 0
-        self.generator = torch.Generator().manual_seed(seed)
-        world = world_info()
-        self.rank, self.world_size = world.rank, world.world_size
-        self.device = next(model.parameters()).device
-        self.defer_grad_sync = fsdp.defer_grad_sync if fsdp else False
-        self._check_world(self.algorithm)
-        self.named_params = trainable_parameters(model)
-        params = [p for _, p in self.named_params]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=self.optim_cfg.lr,
-            betas=tuple(self.optim_cfg.betas),
-            eps=self.optim_cfg.eps,
-            weight_decay=self.optim_cfg.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        # Adam's moments on the host between steps; on a CPU run there is nothing to offload
-        offload = fsdp is not None and fsdp.optim_cpu_offload and self.device.type == "cuda"
-        self.offload = OptimizerOffload(self.optimizer, self.device) if offload else None
-
-    def _check_world(self, algo: AlgorithmConfig) -> None:
-        """The global batch must split evenly over the member's ranks."""
-        problems = []
+    def global_batch_sizes(self) -> dict[str, int]:
+        algo = self.algorithm
         mini = algo.mini_batch_size or algo.batch_completions
-        for key, value in (("prompts_per_step", algo.prompts_per_step), ("mini_batch_size", mini)):
-            if value % self.world_size:
-                problems.append(
-                    f"algorithm.{key} ({value}) must be divisible by the member's "
-                    f"{self.world_size} ranks; use a multiple of {self.world_size}"
-                )
-        if problems:
-            raise ConfigError(problems)
+        return {"prompts_per_step": algo.prompts_per_step, "mini_batch_size": mini}
 
-    def _lr_factor(self, step: int) -> float:
-        warmup = self.optim_cfg.warmup_steps
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if self.optim_cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
-        if self.optim_cfg.schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    def _aggregation(self) -> str:
+        """The user's ``loss_aggregation`` for plain GRPO; each variant's own otherwise."""
+        if self.objective.name == "grpo":
+            return self.algorithm.loss_aggregation
+        return self.objective.aggregation
 
-    # -- hyperparameters -------------------------------------------------------------------
-
-    def _section(self, name: str) -> Any:
-        """The config holding hyperparameter ``name``."""
-        section = MUTABLE_HYPERPARAMETERS[name]
-        return {"optim": self.optim_cfg, "algorithm": self.algorithm, "rollout": self.rollout_cfg}[
-            section
-        ]
-
-    def hyperparameters(self) -> dict[str, float]:
-        """Current values of the mutable hyperparameters."""
-        return {name: getattr(self._section(name), name) for name in MUTABLE_HYPERPARAMETERS}
-
-    def apply_hyperparameters(self, values: dict[str, float]) -> None:
-        """Set hyperparameters in place; a new lr lands in the optimizer and the schedule,
-        keeping Adam's moments and the schedule's position."""
-        unknown = set(values) - set(MUTABLE_HYPERPARAMETERS)
-        if unknown:
-            raise ValueError(
-                f"not mutable: {sorted(unknown)}; mutable: {list(MUTABLE_HYPERPARAMETERS)}"
-            )
-        for name, value in values.items():
-            setattr(self._section(name), name, float(value))
-        if "lr" in values:
-            self.scheduler.base_lrs = [self.optim_cfg.lr for _ in self.optimizer.param_groups]
-            factor = self._lr_factor(self.scheduler.last_epoch)
-            for group in self.optimizer.param_groups:
-                group["initial_lr"] = self.optim_cfg.lr
-                group["lr"] = self.optim_cfg.lr * factor
+    def describe(self, m: dict[str, float]) -> str:
+        return (
+            f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  loss {m['loss']:+.4f}  "
+            f"kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
+            f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
+            f"{m['tokens_per_s']:.0f} tok/s"
+        )
 
     # -- one training step -----------------------------------------------------------------
-
-    def sample_prompts(self, train: list[Example]) -> list[Example]:
-        """This rank's share of ``prompts_per_step`` distinct training examples.
-
-        Every rank draws the same global list from the shared generator and keeps a contiguous
-        slice, so the global batch does not depend on the world size.
-        """
-        count = min(self.algorithm.prompts_per_step, len(train))
-        order = torch.randperm(len(train), generator=self.generator)[:count].tolist()
-        share = count // self.world_size
-        return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
 
     def complete(self, questions: list[str], training: bool = True) -> RolloutBatch:
         """Completions for ``questions``: ``group_size`` samples each when ``training``, else one
@@ -231,21 +104,65 @@ class GRPO:
         return torch.tensor(rewards, dtype=torch.float32)
 
     def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
-        """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``."""
+        """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``,
+        the rewards shaped by the overlong penalty when ``overlong_buffer`` is set."""
         batch = self.complete([ex.question for ex in examples])
-        return batch, self.score(examples, batch, reward_fn)
+        rewards = self.score(examples, batch, reward_fn)
+        algo = self.algorithm
+        if algo.overlong_buffer > 0:
+            lengths = batch.completion_mask.sum(dim=1).cpu()
+            rewards = rewards + overlong_penalty(
+                lengths, self.rollout_cfg.max_output_tokens, algo.overlong_buffer,
+                algo.overlong_penalty,
+            )  # fmt: skip
+        return batch, rewards
 
     def train_step(self, train: list[Example], reward_fn: RewardFn) -> dict[str, float]:
         """Sample, score and learn from one batch; returns the step's metrics."""
         start = time.perf_counter()
-        batch, rewards = self.rollout(self.sample_prompts(train), reward_fn)
-        metrics = self.learn(batch, rewards)
+        if self.algorithm.dynamic_sampling:
+            batch, rewards, extra = self._dynamic_rollout(train, reward_fn)
+        else:
+            batch, rewards = self.rollout(self.sample_prompts(train), reward_fn)
+            extra = {}
+        metrics = self.learn(batch, rewards) | extra
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
         if self.device.type == "cuda":
             metrics["gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
+
+    def _dynamic_rollout(
+        self, train: list[Example], reward_fn: RewardFn
+    ) -> tuple[RolloutBatch, Tensor, dict[str, float]]:
+        """DAPO's dynamic sampling: keep only groups whose rewards differ, and sample more
+        prompts until this rank has its share of ``prompts_per_step`` groups, or
+        ``max_resamples`` extra rounds have been drawn. Ranks take the same number of rounds.
+        """
+        algo, group = self.algorithm, self.algorithm.group_size
+        want = algo.prompts_per_step // self.world_size
+        kept: list[tuple[RolloutBatch, Tensor]] = []
+        have, rounds, dropped = 0, 0, 0
+        while True:
+            batch, rewards = self.rollout(self.sample_prompts(train), reward_fn)
+            _, signal = self.objective.advantages(rewards, group, algo.advantage_eps)
+            groups = signal.view(-1, group)[:, 0].nonzero().squeeze(1)[: want - have]
+            dropped += len(signal) // group - len(groups)
+            rows = (groups.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
+            if len(rows):
+                kept.append((batch.select(rows.to(batch.completion_ids.device)), rewards[rows]))
+                have += len(groups)
+            short = all_reduce([float(have < want)], "max")[0]
+            if not short or rounds >= algo.max_resamples:
+                break
+            rounds += 1
+        if not kept:  # nothing with signal on this rank: learn() skips or takes part with zeros
+            kept.append((batch, rewards))
+        batch = concat_batches([b for b, _ in kept], self.tokenizer.pad_token_id)
+        rewards = torch.cat([r for _, r in kept])
+        totals = all_reduce([float(rounds), float(dropped)], "max")
+        return batch, rewards, {"resample_rounds": totals[0], "dropped_groups": totals[1]}
 
     def learn(self, batch: RolloutBatch, rewards: Tensor) -> dict[str, float]:
         """Update the adapter from this rank's share of a scored batch; returns global metrics.
@@ -255,7 +172,7 @@ class GRPO:
         number of forward passes and optimizer steps, whatever it dropped.
         """
         algo = self.algorithm
-        advantages, has_signal = losses.group_advantages(
+        advantages, has_signal = self.objective.advantages(
             rewards, algo.group_size, algo.advantage_eps
         )
         lengths = batch.completion_mask.sum(dim=1).cpu()
@@ -341,7 +258,9 @@ class GRPO:
         """One optimizer step over ``rows`` (possibly fewer than ``mini``, even none, on this rank)."""
         algo = self.algorithm
         mask = batch.completion_mask[rows]
-        local = losses.aggregation_denominator(mask, algo.loss_aggregation) if len(rows) else 0.0
+        mode = self._aggregation()
+        max_tokens = self.rollout_cfg.max_output_tokens
+        local = losses.aggregation_denominator(mask, mode, max_tokens) if len(rows) else 0.0
         denominator = all_reduce([local])[0]
         micro = min(algo.micro_batch_size or mini, mini)
         chunks = [rows[s : s + micro] for s in range(0, mini, micro)]
@@ -354,17 +273,15 @@ class GRPO:
             m = part.completion_mask * (1.0 if live else 0.0)
             logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)
             old = logp.detach() if old_logp is None else old_logp[idx]
-            per_token, clipped = losses.clipped_surrogate(
-                logp, old, advantages[idx], algo.clip_low, algo.clip_high
+            per_token, clipped = self.objective.per_token_loss(
+                logp, old, advantages[idx], m, algo.clip_low, algo.clip_high
             )
             if ref_logp is not None:
                 kl = losses.kl_k3(logp, ref_logp[idx])
                 per_token = per_token + algo.beta * kl
                 totals["kl"] += float((kl.detach() * m).sum())
             # gradients are averaged across ranks: scale by the world size to get their sum
-            loss = (
-                losses.aggregate(per_token, m, algo.loss_aggregation, denominator) * self.world_size
-            )
+            loss = losses.aggregate(per_token, m, mode, denominator) * self.world_size
             loss.backward()
             loss_sum += float(loss.detach()) / self.world_size
             totals["clipped"] += float((clipped.float() * m).sum())
@@ -372,28 +289,6 @@ class GRPO:
         totals["grad_norm"] += self._optimizer_step()
         totals["loss"] += all_reduce([loss_sum])[0]
         totals["updates"] += 1
-
-    def _optimizer_step(self) -> float:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if not is_sharded(self.model):
-            average_gradients(params)
-        max_norm = self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        self._state_to_device()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._state_to_host()
-        return float(norm)
-
-    def _state_to_device(self) -> None:
-        if self.offload is not None:
-            self.offload.to_device()
-
-    def _state_to_host(self) -> None:
-        if self.offload is not None:
-            self.offload.to_host()
 
     @torch.no_grad()
     def _logprobs_no_grad(self, batch: RolloutBatch) -> Tensor:
@@ -445,27 +340,12 @@ class GRPO:
             )
         return all_reduce([total])[0] / max(len(examples), 1)
 
-    # -- state -----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer (gathered, by parameter name), scheduler, step and generator.
+class REINFORCE(GRPO):
+    """LLM REINFORCE: the policy gradient with a group-mean (or leave-one-out, RLOO) baseline,
+    on-policy: one update per batch, no importance ratio, no clipping."""
 
-        A collective under FSDP: every rank calls it.
-        """
-        self._state_to_device()
-        optimizer = gather_optimizer(self.named_params, self.optimizer)
-        self._state_to_host()
-        return {
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "generator": self.generator.get_state(),
-        }
+    name = "REINFORCE"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, on any world size."""
-        load_optimizer(self.named_params, self.optimizer, state["optimizer"])
-        self._state_to_host()
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.generator.set_state(state["generator"])
+    def objective_name(self) -> str:
+        return "rloo" if self.algorithm.baseline == "rloo" else "reinforce"

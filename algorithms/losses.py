@@ -12,7 +12,9 @@ Where this follows the GRPO paper (Shao et al., 2024) and where it does not:
   entirely and counted, so a user can see when the task gives no signal.
 - KL uses the paper's unbiased ``k3`` estimator, ``exp(ref - logp) - (ref - logp) - 1``.
 - ``token-mean`` (DAPO-style, the default) averages over all tokens of a mini-batch;
-  ``sequence-mean`` is the paper's per-sequence mean, then the mean over sequences.
+  ``sequence-mean`` is the paper's per-sequence mean, then the mean over sequences;
+  ``fixed-length`` (Dr. GRPO) divides the token sum by sequences * the generation budget, a
+  constant, so a sequence's tokens weigh the same whatever its length.
 
 No torch.distributed here: reductions across ranks belong to the caller.
 """
@@ -24,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token-mean", "sequence-mean"]
+Aggregation = Literal["token-mean", "sequence-mean", "fixed-length"]
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4) -> tuple[Tensor, Tensor]:
@@ -97,15 +99,32 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def aggregation_denominator(mask: Tensor, mode: Aggregation) -> float:
-    """What a whole mini-batch's loss is divided by: its tokens, or its sequences.
+def aggregation_denominator(
+    mask: Tensor, mode: Aggregation, max_tokens: int | None = None
+) -> float:
+    """What a whole mini-batch's loss is divided by: its tokens, its sequences, or its
+    sequences times the generation budget (``fixed-length``).
 
     Computed once per mini-batch so that micro-batches with gradient accumulation give exactly
-    the loss of the mini-batch in one piece.
+    the loss of the mini-batch in one piece. Sequences are those with at least one real token,
+    so masked (zero-signal) sequences do not dilute the loss.
+
+    Args:
+        mask: ``[N, T]`` 1.0 on real completion tokens.
+        mode: the aggregation.
+        max_tokens: the generation budget; required by ``fixed-length``, ignored otherwise.
     """
     if mode == "token-mean":
         return float(mask.sum())
-    return float((mask.sum(dim=1) > 0).sum())
+    sequences = float((mask.sum(dim=1) > 0).sum())
+    if mode != "fixed-length":
+        return sequences
+    if max_tokens is None or max_tokens <= 0:
+        raise ValueError(
+            f"aggregation 'fixed-length' needs max_tokens > 0 (the generation budget), got "
+            f"{max_tokens}; pass max_tokens=<max output tokens>"
+        )
+    return sequences * max_tokens
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation, denominator: float) -> Tensor:
@@ -113,10 +132,11 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation, denominator: f
 
     ``token-mean``: ``sum(loss * mask) / denominator`` (denominator = tokens in the mini-batch).
     ``sequence-mean``: each sequence's masked mean, summed, ``/ denominator`` (= sequences).
+    ``fixed-length``: ``sum(loss * mask) / denominator`` (= sequences * generation budget).
     """
     if denominator <= 0:
         return per_token.sum() * 0.0
-    if mode == "token-mean":
+    if mode in ("token-mean", "fixed-length"):
         return (per_token * mask).sum() / denominator
     lengths = mask.sum(dim=1).clamp(min=1.0)
     return ((per_token * mask).sum(dim=1) / lengths).sum() / denominator

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
-from pbt.algorithms.grpo import GRPO
+from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
     add_lora,
@@ -24,7 +24,7 @@ from pbt.algorithms.models import (
     quiet_transformers,
 )
 from pbt.algorithms.tasks import Task, load_task
-from pbt.config import Manifest
+from pbt.config import RL_ALGORITHMS, Manifest
 from pbt.distributed import all_gather_objects, barrier, init_process_group
 from pbt.distributed.fsdp import FSDPConfig, shard_model
 from pbt.distributed.state import gather_parameters, load_parameters
@@ -58,12 +58,13 @@ class Host:
         if self.fsdp is not None:
             shard_model(self.model, base, self.fsdp, device)
         seed_everything(manifest.training.seed + self.world.rank)
-        self.task: Task = load_task(manifest.task, manifest.base_dir, manifest.training.seed)
+        self.task: Task = load_data(manifest)
 
-    def new_learner(self) -> GRPO:
-        """A learner with its own optimizer, schedule and generator over the adapter slot."""
+    def new_learner(self) -> Learner:
+        """The algorithm's learner, with its own optimizer, schedule and generator over the
+        adapter slot."""
         m = self.manifest
-        return GRPO(
+        return learner_class(m.algorithm.name)(
             self.model,
             self.tokenizer,
             m.algorithm,
@@ -201,6 +202,19 @@ class Member:
                     f"checkpoint {path} has {key} {attrs.get(key)!r} but this run uses {value!r}; "
                     "load it with the manifest it was trained with"
                 )
+
+
+def load_data(manifest: Manifest) -> Task:
+    """What the algorithm learns from: prompts with a reward (GRPO, REINFORCE), prompt/response
+    pairs (SFT) or preference pairs (DPO), split into train and held-out eval."""
+    cfg, seed = manifest.task, manifest.training.seed
+    if manifest.algorithm.name in RL_ALGORITHMS:
+        return load_task(cfg, manifest.base_dir, seed)
+    from pbt.algorithms.datasets import load_preferences, load_sft
+
+    load = load_sft if manifest.algorithm.name == "SFT" else load_preferences
+    data = load(cfg.name, manifest.base_dir, seed, cfg.train_size, cfg.eval_size)
+    return Task(data.name, data.train, data.eval, reward_fn=None)
 
 
 def seed_everything(seed: int) -> None:

@@ -47,6 +47,29 @@ class RolloutBatch:
         )
 
 
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of the rows of ``batches``: prompts re-padded on the left, completions on the
+    right, to the longest of each."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    length = max(b.completion_ids.shape[1] for b in batches)
+
+    def left(t: Tensor, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: Tensor, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
+
+    return RolloutBatch(
+        torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
+        torch.cat([left(b.prompt_mask, 0) for b in batches]),
+        torch.cat([right(b.completion_ids, pad_id) for b in batches]),
+        torch.cat([right(b.completion_mask, 0.0) for b in batches]),
+        [text for b in batches for text in b.texts],
+    )
+
+
 def chat_prompts(tokenizer, questions: list[str]) -> list[str]:
     """Wrap each question as a single user turn, ready for the assistant's reply."""
     return [

@@ -15,6 +15,9 @@ _EXPORTS = {
     "Mutations": "pbt.mutation",
     "HPRange": "pbt.mutation",
     "GRPO": "pbt.algorithms.grpo",
+    "REINFORCE": "pbt.algorithms.grpo",
+    "SFT": "pbt.algorithms.sft",
+    "DPO": "pbt.algorithms.dpo",
     "FSDPConfig": "pbt.distributed.fsdp",
 }
 

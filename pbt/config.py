@@ -31,8 +31,22 @@ MUTABLE_HYPERPARAMETERS: dict[str, str] = {
     "temperature": "rollout",
     "max_grad_norm": "optim",
 }
-"""GRPO hyperparameters a mutation may change between generations without breaking the run,
-each with the manifest section whose field of the same name holds it."""
+"""Hyperparameters a mutation may change between generations without breaking the run, each
+with the manifest section whose field of the same name holds it."""
+
+ALGORITHMS = ("GRPO", "REINFORCE", "SFT", "DPO")
+
+MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
+    "GRPO": ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm"),
+    "REINFORCE": ("lr", "beta", "temperature", "max_grad_norm"),
+    "SFT": ("lr", "max_grad_norm"),
+    "DPO": ("lr", "beta", "max_grad_norm"),
+}
+"""Which hyperparameters mutate for each algorithm: the clip range means nothing to REINFORCE
+(no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
+
+RL_ALGORITHMS = ("GRPO", "REINFORCE")
+"""Algorithms that sample completions and learn from rewards (the rest learn from datasets)."""
 
 
 def _positive(problems: list[str], key: str, value: float, fix: str = "") -> None:
@@ -124,9 +138,29 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
-    """GRPO: group-relative advantages with a PPO-clipped objective and optional KL penalty."""
+    """The algorithm and its settings; each field says which algorithms read it.
 
-    name: Literal["GRPO"] = "GRPO"
+    ``GRPO`` (and its family through ``loss``) and ``REINFORCE`` learn from sampled completions
+    and a reward; ``SFT`` from prompt/response pairs; ``DPO`` from chosen/rejected pairs.
+    """
+
+    name: Literal["GRPO", "REINFORCE", "SFT", "DPO"] = "GRPO"
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
+    """GRPO's objective: ``grpo`` (clipped ratio, std-normalised group advantages),
+    ``dr_grpo`` (no std and no length normalisation), ``dapo`` (token-level, asymmetric clip:
+    set ``clip_high`` ~0.28), ``cispo`` (clipped, detached importance weight times log-prob),
+    ``gspo`` (sequence-level ratio; its paper uses clip ranges near 3e-4)."""
+    baseline: Literal["group_mean", "rloo"] = "group_mean"
+    """REINFORCE's baseline: the group's mean reward, or leave-one-out (RLOO)."""
+    overlong_buffer: int = 0
+    """GRPO/REINFORCE: completions within this many tokens of ``max_output_tokens`` lose reward
+    linearly, down to ``-overlong_penalty`` at the limit (DAPO's soft overlong punishment);
+    0 disables."""
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False
+    """GRPO/REINFORCE: drop groups whose rewards are all equal and sample more prompts until
+    the batch is full (DAPO), at most ``max_resamples`` extra rounds a step."""
+    max_resamples: int = 4
     group_size: int = 8
     """Completions sampled per prompt; advantages are relative within each group."""
     prompts_per_step: int = 4
@@ -151,11 +185,34 @@ class AlgorithmConfig:
 
     @property
     def batch_completions(self) -> int:
-        """Completions per training step (derived)."""
+        """Sequences per training step (derived): completions for GRPO and REINFORCE, examples
+        for SFT and DPO."""
+        if self.name not in RL_ALGORITHMS:
+            return self.prompts_per_step
         return self.prompts_per_step * self.group_size
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
+        if self.name == "DPO" and self.beta <= 0:
+            problems.append(
+                f"{prefix}.beta ({self.beta}) must be > 0 for DPO: it scales the implicit "
+                "reward; 0.1 is usual"
+            )
+        if self.name == "REINFORCE" and self.update_epochs != 1:
+            problems.append(
+                f"{prefix}.update_epochs ({self.update_epochs}) must be 1 for REINFORCE, which "
+                "is on-policy (no importance ratio); use GRPO for several passes"
+            )
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            problems.append(
+                f"{prefix}.overlong_buffer ({self.overlong_buffer}) and overlong_penalty "
+                f"({self.overlong_penalty}) must be >= 0; 0 disables the penalty"
+            )
+        if self.max_resamples < 0:
+            problems.append(f"{prefix}.max_resamples ({self.max_resamples}) must be >= 0")
+        if self.name not in RL_ALGORITHMS:
+            _positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
+            return problems + self._check_batches(prefix)
         if self.group_size < 2:
             problems.append(
                 f"{prefix}.group_size ({self.group_size}) must be >= 2: a group of one has no "
@@ -180,13 +237,18 @@ class AlgorithmConfig:
     def _check_batches(self, prefix: str) -> list[str]:
         if self.group_size < 1 or self.prompts_per_step < 1:
             return []
+        per_step = (
+            "prompts_per_step * group_size"
+            if self.name in RL_ALGORITHMS
+            else "prompts_per_step, the examples per step"
+        )
         total = self.batch_completions
         mini = self.mini_batch_size if self.mini_batch_size is not None else total
         problems: list[str] = []
         if mini < 1 or total % mini:
             problems.append(
                 f"{prefix}.mini_batch_size ({mini}) must divide the completions per step "
-                f"(prompts_per_step * group_size = {total}); pick a divisor of {total}"
+                f"({per_step} = {total}); pick a divisor of {total}"
             )
         micro = self.micro_batch_size if self.micro_batch_size is not None else mini
         if micro < 1 or (mini >= 1 and mini % micro):

@@ -122,12 +122,20 @@ class Agent:
         return member.learner.score(list(prompts), batch, member.task.reward_fn)
 
     def learn(self, experiences, rewards=None) -> dict[str, float]:
-        """One GRPO update from ``(batch, rewards)`` (or ``learn(batch, rewards)``).
+        """One update. GRPO and REINFORCE: from ``(batch, rewards)`` (or ``learn(batch,
+        rewards)``); SFT and DPO: from a list of examples (``agent.sample_prompts()``).
 
-        Returns the step's metrics: ``loss``, ``kl``, ``reward_mean``, ``clip_fraction``, ...
+        Returns the step's metrics: ``loss``, and for RL ``kl``, ``reward_mean``, ...
         """
+        learner = self._activate().learner
+        if rewards is None and isinstance(experiences, list):
+            return learner.learn(experiences)
         batch, rewards = experiences if rewards is None else (experiences, rewards)
-        return self._activate().learner.learn(batch, rewards)
+        return learner.learn(batch, rewards)
+
+    def describe(self, metrics: dict[str, float]) -> str:
+        """A short progress line for a step's metrics, in this algorithm's terms."""
+        return self._member().learner.describe(metrics)
 
     def train_step(self) -> dict[str, float]:
         """Sample prompts, roll out, score and learn: one training step; returns its metrics."""

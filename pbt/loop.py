@@ -142,8 +142,8 @@ class _Run:
                 metrics = agent.train_step()
                 self._log(agent, metrics, agent.steps)
             self._say(
-                f"  {agent.member_id} step {agent.steps}: reward {metrics['reward_mean']:.3f} "
-                f"loss {metrics['loss']:+.4f} ({time.perf_counter() - started:.1f} s)"
+                f"  {agent.member_id} step {agent.steps}: {agent.describe(metrics)} "
+                f"({time.perf_counter() - started:.1f} s)"
             )
         self.step += count
 

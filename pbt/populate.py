@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pbt.config import MUTABLE_HYPERPARAMETERS, Manifest
+from pbt.config import MUTABLE_BY_ALGORITHM, MUTABLE_HYPERPARAMETERS, Manifest
 from pbt.errors import ConfigError
 from pbt.library import Population
 from pbt.manifest import manifest_from_dict
@@ -22,10 +22,10 @@ from pbt.selection import TournamentSelection
 
 
 def base_hyperparameters(manifest: Manifest) -> dict[str, float]:
-    """The mutable hyperparameters' starting values, as the manifest sets them."""
+    """The algorithm's mutable hyperparameters' starting values, as the manifest sets them."""
     return {
-        name: getattr(getattr(manifest, section), name)
-        for name, section in MUTABLE_HYPERPARAMETERS.items()
+        name: getattr(getattr(manifest, MUTABLE_HYPERPARAMETERS[name]), name)
+        for name in MUTABLE_BY_ALGORITHM[manifest.algorithm.name]
     }
 
 
@@ -50,9 +50,11 @@ def _typed_ranges(manifest: Manifest) -> tuple[dict[str, HPRange], list[str]]:
     optional = ", ".join(sorted(fields - {"min", "max"}))
     for name, spec in manifest.mutation.ranges.items():
         key = f"mutation.ranges.{name}"
-        if name not in MUTABLE_HYPERPARAMETERS:
+        mutable = MUTABLE_BY_ALGORITHM[manifest.algorithm.name]
+        if name not in mutable:
             problems.append(
-                f"{key} is not a mutable hyperparameter; mutable: {', '.join(MUTABLE_HYPERPARAMETERS)}"
+                f"{key} is not a mutable hyperparameter of {manifest.algorithm.name}; "
+                f"mutable: {', '.join(mutable)}"
             )
         elif not isinstance(spec, dict) or not {"min", "max"} <= set(spec) or set(spec) - fields:
             problems.append(

@@ -127,7 +127,7 @@ def _banner(manifest: Manifest, member, device) -> str:
     ranks = f" x{world} ranks ({sharding})" if world > 1 else ""
     return (
         f"pbt-llm: {manifest.algorithm.name} on {manifest.model.name} with LoRA r={manifest.lora.r}, "
-        f"task {task.name} ({len(task.train)} train / {len(task.eval)} held-out prompts), "
+        f"task {task.name} ({len(task.train)} train / {len(task.eval)} held-out examples), "
         f"{manifest.training.steps} steps on {device}{ranks}"
     )
 
@@ -140,19 +140,19 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
     started = time.perf_counter()
 
     def evaluate() -> float:
-        reward = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
-        log.say(f"eval  step {learner.step:>4}: held-out reward {reward:.3f}")
-        log.record({"step": learner.step, "eval_reward": reward})
-        return reward
+        fitness = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+        log.say(f"eval  step {learner.step:>4}: {learner.fitness_name} {fitness:.3f}")
+        log.record({"step": learner.step, "eval_reward": fitness})
+        return fitness
 
     first = evaluate()
     while learner.step < cfg.steps:
         metrics = learner.train_step(task.train, task.reward_fn)
         log.record({"step": learner.step, **metrics})
-        if metrics["skipped"]:
+        if metrics.get("skipped"):
             log.say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
         if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
-            log.say(_step_line(learner.step, cfg.steps, metrics))
+            log.say(f"step {learner.step:>4}/{cfg.steps}  {learner.describe(metrics)}")
         if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
             evaluate()
     last = evaluate()
@@ -160,19 +160,11 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
     digest = member.save(log.out / "checkpoint")
     elapsed = time.perf_counter() - started
     log.say(
-        f"done: held-out reward {first:.3f} -> {last:.3f} ({last - first:+.3f}) in {elapsed:.0f} s; "
+        f"done: {learner.fitness_name} {first:.3f} -> {last:.3f} ({last - first:+.3f}) in "
+        f"{elapsed:.0f} s; "
         f"checkpoint {log.out / 'checkpoint'} (sha256 {(digest or '')[:12]})"
     )
     return {"initial_reward": first, "final_reward": last, "seconds": elapsed}
-
-
-def _step_line(step: int, total: int, m: dict[str, float]) -> str:
-    return (
-        f"step {step:>4}/{total}  reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  "
-        f"loss {m['loss']:+.4f}  kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
-        f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
-        f"{m['tokens_per_s']:.0f} tok/s"
-    )
 
 
 if __name__ == "__main__":

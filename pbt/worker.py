@@ -82,11 +82,7 @@ def _train(member, steps: int) -> list[dict[str, float]]:
     for _ in range(steps):
         metrics = learner.train_step(task.train, task.reward_fn)
         history.append({"step": learner.step, **metrics})
-        print(
-            f"{member.member_id} step {learner.step} reward {metrics['reward_mean']:.3f} "
-            f"loss {metrics['loss']:+.4f} zero-signal {metrics['zero_signal_fraction']:.2f}",
-            flush=True,
-        )
+        print(f"{member.member_id} step {learner.step} {learner.describe(metrics)}", flush=True)
     return history
 
 

@@ -1,0 +1,326 @@
+"""What every algorithm's learner shares: the optimizer over the adapter, its learning-rate
+schedule, mutable hyperparameters, one exact optimizer step across ranks, and state that
+gathers into a checkpoint.
+
+An algorithm subclasses :class:`Learner` and provides ``train_step(train, reward_fn)`` (one
+step, returning its metrics) and ``evaluate(examples, reward_fn, temperature)`` (the member's
+fitness: larger is better, comparable across members whatever their hyperparameters). The
+registry :data:`LEARNERS` maps ``algorithm.name`` to the class.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from pbt.config import (
+    MUTABLE_BY_ALGORITHM,
+    MUTABLE_HYPERPARAMETERS,
+    AlgorithmConfig,
+    OptimConfig,
+    RolloutConfig,
+)
+from pbt.distributed import all_reduce, world_info
+from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
+from pbt.distributed.state import (
+    OptimizerOffload,
+    gather_optimizer,
+    load_optimizer,
+    trainable_parameters,
+)
+from pbt.errors import ConfigError
+
+
+class Learner:
+    """The adapter's optimizer, schedule and hyperparameters, and the step that updates it.
+
+    Args:
+        model: a ``PeftModel`` (adapter trainable, base frozen) on its device.
+        tokenizer: the matching tokenizer, with a chat template and a pad token.
+        algorithm, optim, rollout: the component configs (copied; mutations change the copies).
+        total_steps: training steps planned, for the learning-rate schedule.
+        seed: seeds the learner's generator (example order and mini-batch shuffles); the same
+            on every rank, so all ranks draw the same global batch and take their own share.
+        fsdp: the sharding options when ``model`` is sharded with FSDP2, else None.
+    """
+
+    name: ClassVar[str] = ""
+    fitness_name: ClassVar[str] = "fitness"
+    """What :meth:`evaluate` measures, in words, for progress lines."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        algorithm: AlgorithmConfig,
+        optim: OptimConfig,
+        rollout: RolloutConfig,
+        total_steps: int,
+        seed: int = 0,
+        fsdp: FSDPConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.algorithm = AlgorithmConfig(**asdict(algorithm))
+        self.optim_cfg = OptimConfig(**asdict(optim))
+        self.rollout_cfg = RolloutConfig(**asdict(rollout))
+        self.total_steps = total_steps
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        world = world_info()
+        self.rank, self.world_size = world.rank, world.world_size
+        self.device = next(model.parameters()).device
+        self.defer_grad_sync = fsdp.defer_grad_sync if fsdp else False
+        self._check_world()
+        self.named_params = trainable_parameters(model)
+        params = [p for _, p in self.named_params]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=self.optim_cfg.lr,
+            betas=tuple(self.optim_cfg.betas),
+            eps=self.optim_cfg.eps,
+            weight_decay=self.optim_cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # Adam's moments on the host between steps; on a CPU run there is nothing to offload
+        offload = fsdp is not None and fsdp.optim_cpu_offload and self.device.type == "cuda"
+        self.offload = OptimizerOffload(self.optimizer, self.device) if offload else None
+
+    @classmethod
+    def population(
+        cls,
+        size: int,
+        *,
+        model_name: str | None = None,
+        pad_token_id: int | None = None,
+        pad_token: str | None = None,
+        fsdp_config: Any = None,
+        hp_config: dict[str, dict[str, Any]] | None = None,
+        config: dict[str, Any] | None = None,
+        device: str | None = None,
+        **init_hp: Any,
+    ):
+        """A library-mode population of ``size`` members of this algorithm on one shared base.
+
+        ``init_hp`` takes AgileRL's ``INIT_HP`` keys in either case (``lr=1e-4`` or
+        ``LR=1e-4``, ``group_size=8``, ``beta=0.01``); ``fsdp_config`` is an ``FSDPConfig``,
+        a dict of its fields, or True; ``config`` holds any other manifest sections. Nothing
+        is loaded until an agent is first used. See :func:`pbt.populate.create_population`.
+        """
+        from pbt.populate import create_population
+
+        sections = {name: dict(values) for name, values in (config or {}).items()}
+        model = sections.setdefault("model", {})
+        for key, value in (("pad_token_id", pad_token_id), ("pad_token", pad_token)):
+            if value is not None:
+                model[key] = value
+        if fsdp_config is not None:
+            fsdp = asdict(fsdp_config) if isinstance(fsdp_config, FSDPConfig) else fsdp_config
+            sections.setdefault("distributed", {})["fsdp"] = fsdp
+        return create_population(
+            {key.upper(): value for key, value in init_hp.items()},
+            algo=cls.name,
+            config=sections,
+            population_size=size,
+            hp_config=hp_config,
+            model_name=model_name,
+            device=device,
+        )
+
+    # -- the global batch ------------------------------------------------------------------
+
+    def global_batch_sizes(self) -> dict[str, int]:
+        """The sizes that must split evenly over the ranks: ``{config key: value}``."""
+        return {"prompts_per_step": self.algorithm.prompts_per_step}
+
+    def _check_world(self) -> None:
+        problems = [
+            f"algorithm.{key} ({value}) must be divisible by the member's {self.world_size} "
+            f"ranks; use a multiple of {self.world_size}"
+            for key, value in self.global_batch_sizes().items()
+            if value % self.world_size
+        ]
+        if problems:
+            raise ConfigError(problems)
+
+    def sample_prompts(self, train: list) -> list:
+        """This rank's share of ``prompts_per_step`` distinct training examples.
+
+        Every rank draws the same global list from the shared generator and keeps a contiguous
+        slice, so the global batch does not depend on the world size.
+        """
+        count = min(self.algorithm.prompts_per_step, len(train))
+        order = torch.randperm(len(train), generator=self.generator)[:count].tolist()
+        share = count // self.world_size
+        return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
+
+    # -- learning rate and hyperparameters -------------------------------------------------
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = self.optim_cfg.warmup_steps
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if self.optim_cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, self.total_steps - warmup))
+        if self.optim_cfg.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    @classmethod
+    def mutable(cls) -> tuple[str, ...]:
+        """The hyperparameters a mutation may change for this algorithm."""
+        return MUTABLE_BY_ALGORITHM[cls.name]
+
+    def _section(self, name: str) -> Any:
+        """The config holding hyperparameter ``name``."""
+        section = MUTABLE_HYPERPARAMETERS[name]
+        return {"optim": self.optim_cfg, "algorithm": self.algorithm, "rollout": self.rollout_cfg}[
+            section
+        ]
+
+    def hyperparameters(self) -> dict[str, float]:
+        """Current values of this algorithm's mutable hyperparameters."""
+        return {name: getattr(self._section(name), name) for name in self.mutable()}
+
+    def apply_hyperparameters(self, values: dict[str, float]) -> None:
+        """Set hyperparameters in place; a new lr lands in the optimizer and the schedule,
+        keeping Adam's moments and the schedule's position."""
+        unknown = set(values) - set(self.mutable())
+        if unknown:
+            raise ValueError(
+                f"not mutable for {self.name}: {sorted(unknown)}; mutable: {list(self.mutable())}"
+            )
+        for name, value in values.items():
+            setattr(self._section(name), name, float(value))
+        if "lr" in values:
+            self.scheduler.base_lrs = [self.optim_cfg.lr for _ in self.optimizer.param_groups]
+            factor = self._lr_factor(self.scheduler.last_epoch)
+            for group in self.optimizer.param_groups:
+                group["initial_lr"] = self.optim_cfg.lr
+                group["lr"] = self.optim_cfg.lr * factor
+
+    # -- the optimizer step ----------------------------------------------------------------
+
+    def _optimizer_step(self) -> float:
+        """Average gradients over ranks (data parallel), clip, step; returns the grad norm."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not is_sharded(self.model):
+            average_gradients(params)
+        max_norm = self.optim_cfg.max_grad_norm if self.optim_cfg.max_grad_norm > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self._state_to_device()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._state_to_host()
+        return float(norm)
+
+    def _update_in_mini_batches(
+        self,
+        rows: int,
+        weight: Callable[[Tensor], float],
+        loss: Callable[[Tensor], tuple[Tensor, dict[str, float]]],
+    ) -> tuple[dict[str, float], float, int]:
+        """``update_epochs`` passes over this rank's ``rows`` in mini-batches, one optimizer step
+        each, micro-batches accumulating gradients.
+
+        ``loss(idx)`` returns the summed loss of rows ``idx`` (with grad) and statistics to
+        sum; ``weight(idx)`` what a mini-batch's loss is divided by (its tokens or its
+        examples), summed over ranks, so the step is the same at any world size and
+        micro-batch size. Every rank has the same ``rows`` and makes the same number of forward
+        passes and optimizer steps.
+
+        Returns:
+            ``(summed statistics, mean gradient norm, optimizer steps)``.
+        """
+        algo = self.algorithm
+        mini = (algo.mini_batch_size or algo.batch_completions) // self.world_size
+        micro = min(algo.micro_batch_size or mini, mini)
+        totals: dict[str, float] = {}
+        norms, steps = 0.0, 0
+        for _ in range(algo.update_epochs):
+            order = torch.randperm(rows, generator=self.generator)
+            for start in range(0, rows, mini):
+                batch = order[start : start + mini]
+                denominator = max(all_reduce([weight(batch)])[0], 1e-9)
+                chunks = [batch[s : s + micro] for s in range(0, len(batch), micro)]
+                for i, idx in enumerate(chunks):
+                    set_gradient_sync(self.model, not self.defer_grad_sync or i == len(chunks) - 1)
+                    value, stats = loss(idx)
+                    # gradients are averaged across ranks: scale by the world size to sum them
+                    (value / denominator * self.world_size).backward()
+                    for key, item in stats.items():
+                        totals[key] = totals.get(key, 0.0) + item
+                norms += self._optimizer_step()
+                steps += 1
+        return totals, norms / max(steps, 1), steps
+
+    def _state_to_device(self) -> None:
+        if self.offload is not None:
+            self.offload.to_device()
+
+    def _state_to_host(self) -> None:
+        if self.offload is not None:
+            self.offload.to_host()
+
+    # -- what an algorithm provides --------------------------------------------------------
+
+    def train_step(self, train: list, reward_fn=None) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self, examples: list, reward_fn=None, temperature: float = 0.0) -> float:
+        raise NotImplementedError
+
+    def describe(self, metrics: dict[str, float]) -> str:
+        """A short progress line for one step's metrics."""
+        return f"loss {metrics.get('loss', float('nan')):+.4f}"
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer (gathered, by parameter name), scheduler, step and generator.
+
+        A collective under FSDP: every rank calls it.
+        """
+        self._state_to_device()
+        optimizer = gather_optimizer(self.named_params, self.optimizer)
+        self._state_to_host()
+        return {
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, on any world size."""
+        load_optimizer(self.named_params, self.optimizer, state["optimizer"])
+        self._state_to_host()
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.generator.set_state(state["generator"])
+
+
+def learner_class(name: str) -> type[Learner]:
+    """The learner of algorithm ``name`` (imported on first use)."""
+    import importlib
+
+    module, attribute = LEARNERS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+LEARNERS: dict[str, tuple[str, str]] = {
+    "GRPO": ("pbt.algorithms.grpo", "GRPO"),
+    "REINFORCE": ("pbt.algorithms.grpo", "REINFORCE"),
+    "SFT": ("pbt.algorithms.sft", "SFT"),
+    "DPO": ("pbt.algorithms.dpo", "DPO"),
+}
+"""``algorithm.name`` -> (module, class)."""

@@ -1,0 +1,66 @@
+"""Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical Perspective").
+
+GRPO with its two biases removed: advantages are ``r - mean(group)`` (no division by the std,
+which over-weights groups that are nearly all right or all wrong), and the loss is not
+normalised by each sequence's length: ``fixed-length`` aggregation divides the token sum by
+``sequences * max_tokens``, the generation budget (a constant), so every token weighs the same
+and a long wrong answer is penalised as much per token as a short one. The per-token loss is
+PPO's clipped surrogate, as in GRPO.
+
+Where this deviates from the paper, and why:
+
+- Groups whose rewards are all equal are masked out (``has_signal`` False) rather than
+  contributing zero-advantage tokens; with a constant denominator those would only scale the
+  loss down (and still pull through the KL term).
+- The KL term is the caller's (``k3`` against the adapter-disabled reference); the paper trains
+  without it, here beta is the user's choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms import losses
+from pbt.algorithms.losses import Aggregation
+
+AGGREGATION: Aggregation = "fixed-length"
+
+
+def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """``r - mean(group)`` without the std, zero where the group has no signal.
+
+    Args:
+        rewards: ``[N]`` rewards, groups of ``group_size`` contiguous.
+        group_size: completions per prompt.
+
+    Returns:
+        ``(advantages [N], has_signal [N] bool)``.
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} is not a multiple of {group_size}"
+        )
+    grouped = rewards.float().view(-1, group_size)  # [P, G]
+    spread = grouped.max(dim=1, keepdim=True).values - grouped.min(dim=1, keepdim=True).values
+    has_signal = (spread > 0).expand_as(grouped)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    advantages = torch.where(has_signal, centred, torch.zeros_like(grouped))
+    return advantages.reshape(-1), has_signal.reshape(-1)
+
+
+def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    """``r - mean(group)`` ``([N], has_signal [N] bool)``; ``eps`` is unused (no std)."""
+    return centred_advantages(rewards, group_size)
+
+
+def per_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``; ``mask`` is unused."""
+    return losses.clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)

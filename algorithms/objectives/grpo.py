@@ -1,0 +1,41 @@
+"""GRPO (Shao et al., 2024, "DeepSeekMath"): group-relative advantages and PPO's clipped ratio.
+
+Advantages are ``(r - mean) / (std + eps)`` within each group (population std), and the per-token
+loss is ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``.
+
+Where this deviates from the paper, and why:
+
+- Groups whose rewards are all equal are masked out (``has_signal`` False) instead of
+  contributing zero-advantage tokens that dilute the mean and still pull through the KL term.
+- The aggregation is ``token-mean`` (DAPO's), not the paper's per-sequence mean, which favours
+  long wrong answers; the caller may override it with the user's configured aggregation.
+- The KL term is the caller's: ``k3`` against the adapter-disabled reference, weighted by beta.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from pbt.algorithms import losses
+from pbt.algorithms.losses import Aggregation
+
+AGGREGATION: Aggregation = "token-mean"
+
+
+def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Std-normalised group advantages ``([N], has_signal [N] bool)``; see
+    :func:`pbt.algorithms.losses.group_advantages`."""
+    return losses.group_advantages(rewards, group_size, eps)
+
+
+def per_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``; ``mask`` is unused
+    (aggregation applies it). Clipped tokens have zero gradient."""
+    return losses.clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)

@@ -1,0 +1,51 @@
+"""GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization").
+
+The importance ratio and its clipping are per sequence, not per token:
+``s_i = exp(mean over the sequence's tokens of (logp - old_logp))`` (the length-normalised
+sequence likelihood ratio), and the loss of sequence ``i`` is
+``-min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)``. Advantages are GRPO's
+(std-normalised). The per-sequence loss is returned broadcast onto the sequence's tokens, so
+``sequence-mean`` aggregation gives exactly the mean of the per-sequence losses and its gradient;
+any other aggregation would weight a sequence by its length.
+
+The paper's clip ranges are far smaller than PPO's (e.g. 3e-4 and 4e-4), since a sequence-level
+ratio moves much less than a token's; the caller's config decides.
+
+Where this deviates from the paper: groups without signal are masked; the KL term is the
+caller's (``k3`` against the adapter-disabled reference, beta the user's choice).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms import losses
+from pbt.algorithms.losses import Aggregation
+
+AGGREGATION: Aggregation = "sequence-mean"
+
+
+def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
+    return losses.group_advantages(rewards, group_size, eps)
+
+
+def per_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """Each sequence's clipped loss broadcast onto its tokens ``[N, T]``, and ``clipped``
+    ``[N, T]``: True on every token of a sequence whose clipped branch is active."""
+    lengths = mask.sum(dim=1).clamp(min=1.0)  # [N]
+    log_ratio = ((logp - old_logp) * mask).sum(dim=1) / lengths
+    ratio = torch.exp(log_ratio)  # [N]
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)  # [N]
+    shape = logp.shape
+    return loss.unsqueeze(1).expand(shape), (clipped < unclipped).unsqueeze(1).expand(shape)

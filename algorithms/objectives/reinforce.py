@@ -1,0 +1,57 @@
+"""LLM REINFORCE with a group baseline, and RLOO (Ahmadian et al., 2024, "Back to Basics:
+Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs").
+
+The policy gradient ``-A * logp`` per token, on-policy: no importance ratio and no clipping (one
+update per batch; ``clip_low``/``clip_high``/``old_logp`` are unused and ``clipped`` is all
+False). REINFORCE's baseline is the group mean, ``A = r - mean(group)``; RLOO's is the mean of
+the other ``G - 1`` rewards, ``A_i = r_i - mean(others) = G / (G - 1) * (r_i - mean)``.
+
+Where this deviates from the textbook estimator, and why:
+
+- The estimator uses a sequence's log-prob *sum*; here the aggregation is ``sequence-mean``
+  (each sequence's per-token mean, then the mean over sequences), because lengths vary and the
+  gradient's scale would grow with the length.
+- Groups whose rewards are all equal are masked (``has_signal`` False), as in GRPO.
+- The KL term is the caller's (``k3`` against the adapter-disabled reference), not a reward
+  penalty as in the paper.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.objectives.dr_grpo import centred_advantages
+
+AGGREGATION: Aggregation = "sequence-mean"
+
+
+def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    """``r - mean(group)`` ``([N], has_signal [N] bool)``; ``eps`` is unused."""
+    return centred_advantages(rewards, group_size)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Leave-one-out ``r_i - mean(others)`` ``([N], has_signal [N] bool)``; ``eps`` is unused."""
+    if group_size < 2:
+        raise ValueError(
+            f"rloo needs group_size >= 2 (a leave-one-out baseline), got {group_size}; "
+            f"raise group_size"
+        )
+    centred, has_signal = centred_advantages(rewards, group_size)
+    return centred * (group_size / (group_size - 1)), has_signal
+
+
+def per_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """``-A * logp`` ``[N, T]`` and an all-False ``clipped``; only ``logp`` and ``advantages``
+    are used."""
+    loss = -advantages.unsqueeze(1) * logp
+    return loss, torch.zeros_like(logp, dtype=torch.bool)
