@@ -62,7 +62,7 @@ class MlflowServer:
         self.log = directory / "server.log"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
         # The job runner is a second process and seconds of startup that this test doesn't use.
         env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(self.log, "ab") as log:

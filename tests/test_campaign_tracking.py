@@ -163,7 +163,7 @@ def test_the_mlflow_ui_shows_the_campaign(tmp_path):
     command = [sys.executable, "-m", "pbt.cli", "ui", str(directory), "--port", "{port}"]
     ui = MlflowServer(tmp_path, command)
     try:
-        ui.start()
+        ui.start(timeout=240)
         page = f"{ui.uri}/#/experiments/{experiment_id}/runs"
         text = _render(page, must_contain="10 matching runs")
     finally:
