@@ -417,3 +417,16 @@ def test_train_population_logs_to_mlflow(tmp_path):
             assert run.data.tags["mutation"]
             assert [m.step for m in history] == [3, 4] and [m.step for m in fitness] == [4]
         assert lr and all(m.value > 0 for m in lr)
+
+
+def test_every_algorithm_has_a_population_constructor():
+    from pbt import DPO, REINFORCE, SFT
+
+    for cls, init_hp in ((REINFORCE, {"baseline": "rloo"}), (SFT, {}), (DPO, {"beta": 0.2})):
+        config = {"algorithm": init_hp} if init_hp else None
+        pop = cls.population(
+            2, lr=1e-3, config=config, hp_config={"lr": {"min": 1e-5, "max": 1e-2}}
+        )
+        assert pop.manifest.algorithm.name == cls.name and len(pop) == 2
+        assert set(pop[0].hyperparameters) == set(cls.mutable())
+        assert pop[0].hyperparameters["lr"] == 1e-3
