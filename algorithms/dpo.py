@@ -62,7 +62,7 @@ class DPO(Learner):
         metrics = self.learn(self.sample_prompts(train))
         elapsed = time.perf_counter() - start
         metrics["step_time_s"] = elapsed
-        return metrics
+        return metrics | self.memory_metrics()
 
     def learn(self, examples: list[PreferenceExample]) -> dict[str, float]:
         """One step on this rank's share of a global batch; returns global metrics."""

@@ -129,9 +129,7 @@ class GRPO(Learner):
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
-        if self.device.type == "cuda":
-            metrics["gpu_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return metrics
+        return metrics | self.memory_metrics()
 
     def _dynamic_rollout(
         self, train: list[Example], reward_fn: RewardFn

@@ -263,6 +263,12 @@ class Learner:
                 steps += 1
         return totals, norms / max(steps, 1), steps
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak GPU memory so far (on CUDA), for the step's metrics."""
+        if self.device.type != "cuda":
+            return {}
+        return {"gpu_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+
     def _state_to_device(self) -> None:
         if self.offload is not None:
             self.offload.to_device()

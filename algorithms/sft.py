@@ -52,7 +52,7 @@ class SFT(Learner):
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
-        return metrics
+        return metrics | self.memory_metrics()
 
     def learn(self, examples: list[SFTExample]) -> dict[str, float]:
         """One step on this rank's share of a global batch; returns global metrics."""
