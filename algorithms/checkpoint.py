@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -42,7 +43,8 @@ def save_checkpoint(
     Args:
         path: the checkpoint directory; replaced if it exists.
         attributes: the state dict; ``attributes["trainable"]`` holds the adapter tensors with
-            PEFT's saved key names (``get_peft_model_state_dict``).
+            PEFT's saved key names (``get_peft_model_state_dict``), and any other trained
+            tensors, which stay out of the PEFT folder (see :func:`is_policy_adapter_key`).
         adapter_config: PEFT's ``adapter_config.json`` content.
     """
     path = Path(path)
@@ -63,11 +65,27 @@ def _write_files(root: Path, attributes: dict[str, Any], adapter_config: dict[st
     torch.save(attributes, root / ATTRIBUTES)
     adapter = root / ADAPTER_DIR
     adapter.mkdir()
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in attributes["trainable"].items()}
+    tensors = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in attributes["trainable"].items()
+        if is_policy_adapter_key(k)
+    }
     save_file(tensors, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
     (adapter / "adapter_config.json").write_text(
         json.dumps(adapter_config, indent=2, sort_keys=True)
     )
+
+
+# A tensor of another named adapter keeps its adapter name (``...lora_A.value.weight``) where
+# the policy adapter's PEFT key has none (``...lora_A.weight``).
+_NAMED_ADAPTER = re.compile(r"\.lora_\w+\.[^.]+\.\w+$")
+
+
+def is_policy_adapter_key(key: str) -> bool:
+    """Whether ``key`` of ``attributes["trainable"]`` belongs in the PEFT folder: the policy
+    (``default``) adapter's tensors do; extra trained modules (PPO's ``value`` adapter and value
+    head) live in ``attributes.pt`` only, so the folder stays a plain policy adapter."""
+    return key.startswith("base_model.") and not _NAMED_ADAPTER.search(key)
 
 
 def _write_manifest(root: Path) -> str:

@@ -23,6 +23,7 @@ from pbt.config import (
     MUTABLE_BY_ALGORITHM,
     MUTABLE_HYPERPARAMETERS,
     AlgorithmConfig,
+    LoRAConfig,
     OptimConfig,
     RolloutConfig,
 )
@@ -132,6 +133,11 @@ class Learner:
             model_name=model_name,
             device=device,
         )
+
+    @classmethod
+    def prepare_model(cls, model, lora: LoRAConfig) -> None:
+        """Add what this algorithm trains beside the policy adapter (PPO: a critic) to
+        ``model``, in place, before it is sharded. Nothing for most algorithms."""
 
     # -- the global batch ------------------------------------------------------------------
 
@@ -326,6 +332,7 @@ def learner_class(name: str) -> type[Learner]:
 LEARNERS: dict[str, tuple[str, str]] = {
     "GRPO": ("pbt.algorithms.grpo", "GRPO"),
     "REINFORCE": ("pbt.algorithms.grpo", "REINFORCE"),
+    "PPO": ("pbt.algorithms.ppo", "PPO"),
     "SFT": ("pbt.algorithms.sft", "SFT"),
     "DPO": ("pbt.algorithms.dpo", "DPO"),
 }

@@ -54,6 +54,7 @@ class Host:
         self.tokenizer = load_tokenizer(manifest.model)
         base = load_base_model(manifest.model, device)
         self.model = add_lora(base, manifest.lora)
+        learner_class(manifest.algorithm.name).prepare_model(self.model, manifest.lora)
         self.fsdp = FSDPConfig.from_value(manifest.distributed.fsdp)
         if self.fsdp is not None:
             shard_model(self.model, base, self.fsdp, device)

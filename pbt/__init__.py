@@ -16,6 +16,7 @@ _EXPORTS = {
     "HPRange": "pbt.mutation",
     "GRPO": "pbt.algorithms.grpo",
     "REINFORCE": "pbt.algorithms.grpo",
+    "PPO": "pbt.algorithms.ppo",
     "SFT": "pbt.algorithms.sft",
     "DPO": "pbt.algorithms.dpo",
     "FSDPConfig": "pbt.distributed.fsdp",

@@ -30,22 +30,34 @@ MUTABLE_HYPERPARAMETERS: dict[str, str] = {
     "clip_high": "algorithm",
     "temperature": "rollout",
     "max_grad_norm": "optim",
+    "vf_coef": "algorithm",
+    "value_clip": "algorithm",
 }
 """Hyperparameters a mutation may change between generations without breaking the run, each
 with the manifest section whose field of the same name holds it."""
 
-ALGORITHMS = ("GRPO", "REINFORCE", "SFT", "DPO")
+ALGORITHMS = ("GRPO", "REINFORCE", "PPO", "SFT", "DPO")
 
 MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
     "GRPO": ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm"),
     "REINFORCE": ("lr", "beta", "temperature", "max_grad_norm"),
+    "PPO": (
+        "lr",
+        "beta",
+        "clip_low",
+        "clip_high",
+        "temperature",
+        "max_grad_norm",
+        "vf_coef",
+        "value_clip",
+    ),
     "SFT": ("lr", "max_grad_norm"),
     "DPO": ("lr", "beta", "max_grad_norm"),
 }
 """Which hyperparameters mutate for each algorithm: the clip range means nothing to REINFORCE
 (no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
 
-RL_ALGORITHMS = ("GRPO", "REINFORCE")
+RL_ALGORITHMS = ("GRPO", "REINFORCE", "PPO")
 """Algorithms that sample completions and learn from rewards (the rest learn from datasets)."""
 
 
@@ -144,7 +156,7 @@ class AlgorithmConfig:
     and a reward; ``SFT`` from prompt/response pairs; ``DPO`` from chosen/rejected pairs.
     """
 
-    name: Literal["GRPO", "REINFORCE", "SFT", "DPO"] = "GRPO"
+    name: Literal["GRPO", "REINFORCE", "PPO", "SFT", "DPO"] = "GRPO"
     loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
     """GRPO's objective: ``grpo`` (clipped ratio, std-normalised group advantages),
     ``dr_grpo`` (no std and no length normalisation), ``dapo`` (token-level, asymmetric clip:
@@ -182,6 +194,15 @@ class AlgorithmConfig:
     """Completions per forward/backward (gradient accumulation); default: the mini-batch."""
     advantage_eps: float = 1e-4
     """Added to the group standard deviation before dividing."""
+    vf_coef: float = 0.5
+    """PPO: weight of the value (critic) loss added to the policy loss."""
+    value_clip: float = 0.2
+    """PPO: new values are kept within ``value_clip`` of the values at rollout time in the
+    clipped value loss."""
+    gamma: float = 1.0
+    """PPO: discount per completion token in GAE (1.0: no discount)."""
+    lam: float = 0.95
+    """PPO: GAE's lambda, trading the critic's bias (0) for the returns' variance (1)."""
 
     @property
     def batch_completions(self) -> int:
@@ -213,7 +234,9 @@ class AlgorithmConfig:
         if self.name not in RL_ALGORITHMS:
             _positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
             return problems + self._check_batches(prefix)
-        if self.group_size < 2:
+        if self.name == "PPO":
+            problems += self._check_ppo(prefix)
+        elif self.group_size < 2:
             problems.append(
                 f"{prefix}.group_size ({self.group_size}) must be >= 2: a group of one has no "
                 "relative advantage; use 4 to 16"
@@ -232,6 +255,26 @@ class AlgorithmConfig:
         _positive(problems, f"{prefix}.update_epochs", self.update_epochs)
         _positive(problems, f"{prefix}.advantage_eps", self.advantage_eps)
         problems += self._check_batches(prefix)
+        return problems
+
+    def _check_ppo(self, prefix: str) -> list[str]:
+        problems = [] if self.group_size >= 1 else [
+            f"{prefix}.group_size ({self.group_size}) must be >= 1 (the critic gives PPO its "
+            "baseline); use 4 to 16 to keep batches comparable with GRPO"
+        ]  # fmt: skip
+        problems += [
+            f"{prefix}.{key} ({getattr(self, key)}) must be in [0, 1]; {usual} is usual"
+            for key, usual in (("gamma", 1.0), ("lam", 0.95))
+            if not 0.0 <= getattr(self, key) <= 1.0
+        ]
+        if self.vf_coef < 0:
+            problems.append(f"{prefix}.vf_coef ({self.vf_coef}) must be >= 0; 0.5 is usual")
+        _positive(problems, f"{prefix}.value_clip", self.value_clip, "0.2 is usual")
+        if self.dynamic_sampling:
+            problems.append(
+                f"{prefix}.dynamic_sampling is for the GRPO family (it drops groups without "
+                "reward spread); PPO's critic gives every completion a signal: set it to false"
+            )
         return problems
 
     def _check_batches(self, prefix: str) -> list[str]:

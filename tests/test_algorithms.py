@@ -30,6 +30,7 @@ RL = {
     "gspo": {"algorithm": {"loss": "gspo"}},
     "reinforce": {"algorithm": {"name": "REINFORCE"}},
     "rloo": {"algorithm": {"name": "REINFORCE", "baseline": "rloo"}},
+    "ppo": {"algorithm": {"name": "PPO", "vf_coef": 1.0}},
 }
 DATA = {
     "sft": {"algorithm": {"name": "SFT", "prompts_per_step": 8}, "optim": {"lr": 1e-2}},
@@ -63,7 +64,7 @@ def _learning_manifest(tmp_path: Path, variant: dict):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", list(RL))
+@pytest.mark.parametrize("variant", [v for v in RL if v != "ppo"])  # PPO's: tests/test_ppo.py
 def test_rl_objective_learns(tmp_path, variant):
     """12 steps of the letters task: the held-out reward of the untrained adapter is 0.17 and a
     learned run of one letter scores 0.5; each objective must gain at least 0.15."""
@@ -128,7 +129,7 @@ def test_mutable_hyperparameters_are_declared_per_algorithm(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", ["dapo", "rloo", "sft", "dpo"])
+@pytest.mark.parametrize("variant", ["dapo", "rloo", "ppo", "sft", "dpo"])
 def test_population_of_two_for_two_generations(tmp_path, variant):
     from pbt.loop import train_population
 
@@ -165,9 +166,9 @@ def test_every_algorithm_as_a_two_rank_member(tmp_path, mode):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", ["sft", "dpo"])
-def test_campaign_of_a_dataset_algorithm(tmp_path, variant):
-    data = _sections(tmp_path, DATA[variant])
+@pytest.mark.parametrize("variant", ["sft", "dpo", "ppo"])
+def test_campaign_of_an_algorithm(tmp_path, variant):
+    data = _sections(tmp_path, {**RL, **DATA}[variant])
     data |= {
         "population": {"size": 2, "tournament_size": 2, "evo_steps": 2},
         "budget": {"generations": 2},
