@@ -48,7 +48,10 @@ def main() -> None:
         hp_config=HP_CONFIG,
         init_sampler="random",  # each member's starting lr and temperature drawn from HP_CONFIG
         device="cpu",
-        config={"task": {"name": "builtin:letters", "eval_size": 48}, "mutation": {"rl_hp": 0.8}},
+        config={
+            "task": {"name": "builtin:letters", "eval_size": 48},
+            "mutation": {"no_mutation": 0.2, "rl_hp": 0.8},
+        },
     )
     # every member starts from the same adapter (B = 0: the base model), so one test is the baseline
     initial = pop[0].test()

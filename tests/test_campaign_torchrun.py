@@ -135,6 +135,37 @@ def test_killed_controller_resumes_to_the_same_decisions(manifest: Path, tmp_pat
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _decisions(directory) == _decisions(straight)
+    # a library-mode population of the same manifest makes exactly the campaign's decisions
+    from pbt.loop import train_population
+    from pbt.populate import create_population
+
+    pop = create_population(config={**MANIFEST, "training": {**MANIFEST["training"]}})
+    evo, generations = MANIFEST["population"]["evo_steps"], MANIFEST["budget"]["generations"]
+    history = {}
+    real_next = type(pop).next_generation
+
+    def record(population, selected):
+        for agent in population:
+            history[agent.member_id] = (agent.parent_id, agent.mutation, list(agent.fitness))
+        return real_next(population, selected)
+
+    type(pop).next_generation = record
+    try:
+        train_population(
+            pop, steps=evo * generations, evo_steps=evo, output_dir=tmp_path / "lib",
+            tracking=False, progress=False,
+        )  # fmt: skip
+    finally:
+        type(pop).next_generation = real_next
+    for agent in pop:
+        history[agent.member_id] = (agent.parent_id, agent.mutation, list(agent.fitness))
+    with CampaignStore(straight / "store.db") as store:
+        campaign = {
+            m.member_id: (m.parent_id, m.mutation, m.fitness_history) for m in store.members()
+        }
+    for member_id, (parent, mutation, fitness) in campaign.items():
+        assert history[member_id][:2] == (parent, mutation), member_id
+        assert history[member_id][2] == pytest.approx(fitness, abs=1e-9), member_id
     on_disk = {p.name for p in (directory / "checkpoints").iterdir()}
     with CampaignStore(directory / "store.db") as store:
         needed = {Path(m.checkpoint).name for m in store.members(2)}
