@@ -166,7 +166,7 @@ def test_every_algorithm_as_a_two_rank_member(tmp_path, mode):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", ["sft", "dpo", "ppo"])
+@pytest.mark.parametrize("variant", ["rloo", "ppo", "sft", "dpo"])
 def test_campaign_of_an_algorithm(tmp_path, variant):
     data = _sections(tmp_path, {**RL, **DATA}[variant])
     data |= {
