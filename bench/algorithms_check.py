@@ -21,6 +21,7 @@ VARIANTS = {
     "cispo": {"loss": "cispo"},
     "gspo": {"loss": "gspo"},
     "rloo": {"name": "REINFORCE", "baseline": "rloo"},
+    "ppo": {"name": "PPO", "vf_coef": 1.0},
     "sft": {"name": "SFT"},
     "dpo": {"name": "DPO", "beta": 0.1},
 }
