@@ -359,7 +359,7 @@ def test_shared_population_under_torchrun(tmp_path, mode):
     assert agent.fitness == report["fitness"][0] and agent.steps == 2
     named = dict(agent._activate().learner.named_params)
     for name, total in report["adapters"][0].items():
-        assert float(named[name].double().abs().sum()) == pytest.approx(total, rel=1e-6)
+        assert float(named[name].detach().double().abs().sum()) == pytest.approx(total, rel=1e-6)
 
 
 @pytest.mark.integration
