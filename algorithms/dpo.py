@@ -30,13 +30,6 @@ class DPO(Learner):
     name = "DPO"
     fitness_name = "held-out preference accuracy"
 
-    def global_batch_sizes(self) -> dict[str, int]:
-        algo = self.algorithm
-        return {
-            "prompts_per_step": algo.prompts_per_step,
-            "mini_batch_size": algo.mini_batch_size or algo.prompts_per_step,
-        }
-
     def encode(self, examples: list[PreferenceExample]) -> RolloutBatch:
         """Chosen rows first, then rejected rows, in one batch (one forward pass for both)."""
         prompts = [ex.prompt for ex in examples]

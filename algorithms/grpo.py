@@ -54,11 +54,6 @@ class GRPO(Learner):
     def objective_name(self) -> str:
         return self.algorithm.loss
 
-    def global_batch_sizes(self) -> dict[str, int]:
-        algo = self.algorithm
-        mini = algo.mini_batch_size or algo.batch_completions
-        return {"prompts_per_step": algo.prompts_per_step, "mini_batch_size": mini}
-
     def _aggregation(self) -> str:
         """The user's ``loss_aggregation`` for plain GRPO; each variant's own otherwise."""
         if self.objective.name == "grpo":

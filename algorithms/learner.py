@@ -143,7 +143,9 @@ class Learner:
 
     def global_batch_sizes(self) -> dict[str, int]:
         """The sizes that must split evenly over the ranks: ``{config key: value}``."""
-        return {"prompts_per_step": self.algorithm.prompts_per_step}
+        algo = self.algorithm
+        mini = algo.mini_batch_size or algo.batch_completions
+        return {"prompts_per_step": algo.prompts_per_step, "mini_batch_size": mini}
 
     def _check_world(self) -> None:
         problems = [

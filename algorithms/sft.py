@@ -30,13 +30,6 @@ class SFT(Learner):
     name = "SFT"
     fitness_name = "held-out -NLL/token"
 
-    def global_batch_sizes(self) -> dict[str, int]:
-        algo = self.algorithm
-        return {
-            "prompts_per_step": algo.prompts_per_step,
-            "mini_batch_size": algo.mini_batch_size or algo.prompts_per_step,
-        }
-
     def encode(self, examples: list[SFTExample]) -> RolloutBatch:
         batch = encode_pairs(
             self.tokenizer,

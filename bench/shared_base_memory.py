@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from distributed_throughput import SHAPES as THROUGHPUT_SHAPES
+
 SHAPES = {
     # 13M parameters with the tiny tokenizer: big enough that allocator noise is small
     "wide": dict(
@@ -34,16 +36,7 @@ SHAPES = {
         head_dim=64,
     ),
     # Qwen2.5-0.5B's shape (its 151,936-token vocabulary; the tiny tokenizer uses the first ids)
-    "0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
+    "0.5b": {**THROUGHPUT_SHAPES["0.5b"], "vocab_size": 151936, "head_dim": 64},
 }
 
 

@@ -99,13 +99,7 @@ def sample_initial(
         raise ConfigError(problems)
     if not ranges:
         return [dict(base) for _ in range(size)]
-    optuna = _optuna()
-    study = optuna.create_study(
-        storage=_open_storage(storage),
-        study_name=study_name,
-        direction="maximize",
-        load_if_exists=True,
-    )
+    study = _maximising_study(storage, study_name)
     if warm_start is not None and "warm_start" not in study.user_attrs:
         _copy_history(study, warm_start, study_name, ranges)
     space = _distributions(ranges)
@@ -155,12 +149,7 @@ def record_members(
     generation)`` each, so a PBT campaign's members show in ``optuna-dashboard`` beside a
     search's trials. Members already recorded are skipped, so a repeat call does nothing."""
     optuna = _optuna()
-    study = optuna.create_study(
-        storage=_open_storage(storage),
-        study_name=study_name,
-        direction="maximize",
-        load_if_exists=True,
-    )
+    study = _maximising_study(storage, study_name)
     space = _distributions(ranges)
     known = _trials_by_member(study)
     for member_id, hyperparameters, fitness, generation in members:
@@ -327,6 +316,16 @@ def _optuna() -> Any:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna
+
+
+def _maximising_study(storage: str | None, study_name: str) -> Study:
+    """The study ``study_name`` in ``storage`` (created if missing), maximising fitness."""
+    return _optuna().create_study(
+        storage=_open_storage(storage),
+        study_name=study_name,
+        direction="maximize",
+        load_if_exists=True,
+    )
 
 
 def _open_storage(url: str | None) -> BaseStorage:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import MlflowServer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,3 +18,14 @@ def offline_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return cache
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` on localhost for one test, always stopped afterwards."""
+    server = MlflowServer(tmp_path)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 from pbt.config import Manifest
 from pbt.manifest import manifest_from_dict
 
@@ -92,3 +94,38 @@ class MlflowServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.process = None
+
+
+def write_manifest(path: Path, base: dict, **changes: dict) -> Path:
+    """Write ``base`` with the given sections updated (merged key by key) as YAML to ``path``."""
+    data = {
+        name: dict(values) if isinstance(values, dict) else values for name, values in base.items()
+    }
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_campaign(
+    manifest: Path, directory: Path, member_command: list[str], member_seconds: float, **popen
+) -> subprocess.Popen:
+    """A campaign controller in its own process (to be killed, or to outlive a server)."""
+    script = (
+        "from pbt.campaign import Campaign; "
+        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, "
+        f"member_command={member_command!r}); c.run(); c.close()"
+    )
+    env = {**os.environ, "FAKE_MEMBER_SECONDS": str(member_seconds)}
+    return subprocess.Popen([sys.executable, "-c", script], env=env, **popen)
+
+
+def run_torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc --standalone ARGS`` on the CPU; fails the test unless it
+    exits 0."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, f"--nproc_per_node={nproc}", "--standalone", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc

@@ -4,7 +4,6 @@ evolves as a population, and runs as a campaign; the DAPO options and the mutabl
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support import small_sections
+from support import run_torchrun, small_sections
 
 from pbt.algorithms.member import Member
 from pbt.errors import ConfigError
@@ -145,12 +144,7 @@ def test_population_of_two_for_two_generations(tmp_path, variant):
 def test_every_algorithm_as_a_two_rank_member(tmp_path, mode):
     """One torchrun group of 2 ranks trains each algorithm 2 steps, FSDP2-sharded or data
     parallel, saves and evaluates; the ranks agree, and every checkpoint loads on one rank."""
-    driver = REPO / "tests" / "drivers" / "algorithms_driver.py"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [torchrun, "--nproc_per_node=2", "--standalone", str(driver), str(tmp_path), mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_torchrun(str(REPO / "tests" / "drivers" / "algorithms_driver.py"), str(tmp_path), mode)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     assert sorted(ranks[0]) == sorted([*RL, *DATA])

@@ -4,7 +4,6 @@ lock, retries, replacement and garbage collection, in seconds."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from support import start_campaign, write_manifest
 
 from pbt.campaign import Campaign
 from pbt.errors import PbtError
@@ -37,12 +36,7 @@ MANIFEST = {
 
 
 def _manifest(tmp_path: Path, **changes) -> Path:
-    data = json.loads(json.dumps(MANIFEST))
-    for section, values in changes.items():
-        data[section] = {**data.get(section, {}), **values}
-    path = tmp_path / "manifest.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_manifest(tmp_path / "manifest.yaml", MANIFEST, **changes)
 
 
 def _run(manifest: Path, directory: Path, faults: dict | None = None):
@@ -168,12 +162,7 @@ def test_killed_controller_resumes_to_the_same_decisions(tmp_path):
     manifest = _manifest(tmp_path, budget={"generations": 6})
     _run(manifest, tmp_path / "straight")
     directory = tmp_path / "killed"
-    script = (
-        "import sys; from pbt.campaign import Campaign; "
-        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, member_command={FAKE!r}); c.run()"
-    )
-    env = {**os.environ, "FAKE_MEMBER_SECONDS": "0.3"}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL)
+    proc = start_campaign(manifest, directory, FAKE, 0.3, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill mid-generation 2, members running
         if (directory / "tasks" / "g002-m01" / "heartbeat").exists():

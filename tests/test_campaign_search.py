@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -14,8 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
-from support import MlflowServer
+from support import MlflowServer, start_campaign, write_manifest
 
 from pbt.campaign import POPULATION_STUDY, SEARCH_STUDY, Campaign
 from pbt.populate import INIT_STUDY
@@ -34,11 +32,7 @@ MANIFEST = {
 
 
 def _run(tmp_path: Path, name: str, **changes) -> Path:
-    data = json.loads(json.dumps(MANIFEST))
-    for section, values in changes.items():
-        data[section] = {**data.get(section, {}), **values}
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = write_manifest(tmp_path / f"{name}.yaml", MANIFEST, **changes)
     campaign = Campaign.start(path, tmp_path / name, member_command=FAKE)
     campaign.say = lambda *_: None
     try:
@@ -141,19 +135,11 @@ def test_optuna_dashboard_shows_the_campaign_studies(tmp_path):
 def test_killed_optuna_campaign_resumes_to_the_same_trials(tmp_path):
     search = {"strategy": "optuna", "sampler": "tpe", "trial_generations": 2, "startup_trials": 2}
     straight = _run(tmp_path, "straight", search=search, budget={"generations": 6})
-    data = json.loads(json.dumps(MANIFEST))
-    data["search"] = search
-    data["budget"] = {"generations": 6}
-    manifest = tmp_path / "killed.yaml"
-    manifest.write_text(yaml.safe_dump(data))
-    directory = tmp_path / "killed"
-    script = (
-        "from pbt.campaign import Campaign; "
-        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, member_command={FAKE!r}); "
-        "c.run()"
+    manifest = write_manifest(
+        tmp_path / "killed.yaml", MANIFEST, search=search, budget={"generations": 6}
     )
-    env = {**os.environ, "FAKE_MEMBER_SECONDS": "0.3"}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL)
+    directory = tmp_path / "killed"
+    proc = start_campaign(manifest, directory, FAKE, 0.3, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
     while not (directory / "tasks" / "g003-m01" / "heartbeat").exists():  # mid-generation 3
         assert time.monotonic() < deadline and proc.poll() is None

@@ -4,8 +4,6 @@ campaign to seconds."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -14,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from support import MlflowServer
+from support import MlflowServer, start_campaign, write_manifest
 
 from pbt.campaign import Campaign
 from pbt.store import CampaignStore
@@ -34,12 +31,7 @@ MANIFEST = {
 
 
 def _manifest(tmp_path: Path, **changes) -> Path:
-    data = json.loads(json.dumps(MANIFEST))
-    for section, values in changes.items():
-        data[section] = {**data.get(section, {}), **values}
-    path = tmp_path / "manifest.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_manifest(tmp_path / "manifest.yaml", MANIFEST, **changes)
 
 
 def _client(uri: str):
@@ -107,16 +99,6 @@ def _run(manifest: Path, directory: Path) -> None:
         campaign.close()
 
 
-@pytest.fixture
-def server(tmp_path: Path):
-    server = MlflowServer(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 def test_campaign_logs_to_a_real_mlflow_server(tmp_path, server, monkeypatch):
     monkeypatch.setenv("MLFLOW_RUN_ID", "0123456789abcdef0123456789abcdef")  # must not hijack
     directory = tmp_path / "c"
@@ -129,14 +111,7 @@ def test_campaign_survives_a_tracking_outage(tmp_path, server):
     on at full speed, and every run, tag and metric arrives."""
     directory = tmp_path / "c"
     manifest = _manifest(tmp_path, tracking={"uri": server.uri})
-    code = (
-        "import sys\n"
-        "from pbt.campaign import Campaign\n"
-        f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, member_command={FAKE!r})\n"
-        "c.run(); c.close()\n"
-    )
-    env = {**os.environ, "FAKE_MEMBER_SECONDS": "3"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    proc = start_campaign(manifest, directory, FAKE, 3, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (directory / "checkpoints" / "g000-m02").exists():
         assert proc.poll() is None and time.monotonic() < deadline

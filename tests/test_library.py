@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from support import small_sections
+from support import run_torchrun, small_sections
 
 from pbt import GRPO, create_population, train_population
 from pbt.algorithms.checkpoint import load_checkpoint
@@ -340,12 +339,8 @@ def test_train_population_rejects_bad_intervals(tmp_path):
 @pytest.mark.parametrize("mode", ["dp", "fsdp"])
 def test_shared_population_under_torchrun(tmp_path, mode):
     driver = REPO / "tests" / "drivers" / "library_driver.py"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--nproc_per_node=2", "--standalone", str(driver)]
-    cmd += [str(tmp_path / "out"), str(tmp_path / "ck")] + (["--fsdp"] if mode == "fsdp" else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    args = [str(tmp_path / "out"), str(tmp_path / "ck")] + (["--fsdp"] if mode == "fsdp" else [])
+    run_torchrun(str(driver), *args, timeout=300)
     ranks = [json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["sharded"] is (mode == "fsdp")
     for key in ("members", "fitness", "steps", "adapters"):

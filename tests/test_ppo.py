@@ -4,16 +4,13 @@ from the policy, learning, exact resume, the PEFT folder, a 2-rank FSDP2 member,
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from support import small_manifest, small_sections
+from support import run_torchrun, small_manifest, small_sections
 from transformers import AutoModelForCausalLM
 
 from pbt.algorithms.member import Member
@@ -224,12 +221,7 @@ def test_the_peft_folder_is_the_policy_adapter_alone(tmp_path):
 @pytest.mark.parametrize("mode", ["fsdp", "dp"])
 def test_ppo_as_a_two_rank_member(tmp_path, mode):
     """Two PPO steps on 2 ranks: the ranks agree, and the checkpoint loads on one rank."""
-    driver = REPO / "tests" / "drivers" / "ppo_driver.py"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [torchrun, "--nproc_per_node=2", "--standalone", str(driver), str(tmp_path), mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_torchrun(str(REPO / "tests" / "drivers" / "ppo_driver.py"), str(tmp_path), mode)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     report = ranks[0]

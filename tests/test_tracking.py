@@ -288,16 +288,6 @@ def test_nan_is_kept_and_a_refused_param_is_skipped(
     assert len(refused) == 1 and "'lr'" in refused[0], refused
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[MlflowServer]:
-    server = MlflowServer(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.integration
 def test_a_server_outage_loses_nothing_and_blocks_nothing(
     server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture

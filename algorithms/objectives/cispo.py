@@ -25,9 +25,8 @@ from pbt.algorithms.losses import Aggregation
 AGGREGATION: Aggregation = "token-mean"
 
 
-def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
-    """Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
-    return losses.group_advantages(rewards, group_size, eps)
+advantages = losses.group_advantages
+"""Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
 
 
 def per_token_loss(

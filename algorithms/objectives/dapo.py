@@ -21,25 +21,17 @@ from torch import Tensor
 
 from pbt.algorithms import losses
 from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.objectives import grpo
 
 AGGREGATION: Aggregation = "token-mean"
 
 
-def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
-    """Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
-    return losses.group_advantages(rewards, group_size, eps)
+advantages = losses.group_advantages
+"""Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
 
 
-def per_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate with the (asymmetric) range given ``([N, T], [N, T] clipped)``."""
-    return losses.clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+per_token_loss = grpo.per_token_loss
+"""PPO's clipped surrogate with the (asymmetric) range the config gives."""
 
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
