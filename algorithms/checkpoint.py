@@ -76,6 +76,26 @@ def _write_files(root: Path, attributes: dict[str, Any], adapter_config: dict[st
     )
 
 
+POLICY_ADAPTER = "default"
+"""PEFT's name of the policy adapter, the one the PEFT folder holds."""
+
+
+def peft_key(name: str, adapter: str = POLICY_ADAPTER) -> str:
+    """PEFT's saved name for a parameter: the adapter name dropped, as in its safetensors."""
+    return name.replace(f".{adapter}.", ".")
+
+
+def adapter_config(model, base_model: str | None = None) -> dict[str, Any]:
+    """The policy adapter's ``adapter_config.json`` content (target modules sorted, so the
+    file is the same from run to run), with ``base_model_name_or_path`` set when given."""
+    config = model.peft_config[POLICY_ADAPTER].to_dict()
+    if base_model is not None:
+        config["base_model_name_or_path"] = base_model
+    targets = config["target_modules"]
+    config["target_modules"] = sorted(targets) if isinstance(targets, (set, list)) else targets
+    return config
+
+
 # A tensor of another named adapter keeps its adapter name (``...lora_A.value.weight``) where
 # the policy adapter's PEFT key has none (``...lora_A.weight``).
 _NAMED_ADAPTER = re.compile(r"\.lora_\w+\.[^.]+\.\w+$")

@@ -38,6 +38,9 @@ ZERO_SIGNAL_HINT = (
 )
 
 
+IMPORTANCE_TOTALS = ("is_weight", "is_capped", "logprob_gap", "is_tokens")
+
+
 class GRPO(Learner):
     """A GRPO-family learner over a peft model whose trainable parameters are the adapter.
 
@@ -73,16 +76,39 @@ class GRPO(Learner):
     def complete(self, questions: list[str], training: bool = True) -> RolloutBatch:
         """Completions for ``questions``: ``group_size`` samples each when ``training``, else one
         greedy completion each. Rows are grouped by question."""
-        self.model.eval()
-        return generate(
-            self.model,
-            self.tokenizer,
+        return self.sample(
             questions,
-            self.rollout_cfg,
             repeats=self.algorithm.group_size if training else 1,
             greedy=not training,
-            synced=is_sharded(self.model),
         )
+
+    def sample(
+        self,
+        questions: list[str],
+        *,
+        repeats: int = 1,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> RolloutBatch:
+        """Completions from the current adapter through the rollout engine: Hugging Face
+        ``generate``, or the process's vLLM engine (the adapter reloaded first if it changed)."""
+        self.model.eval()
+        if self.engine is None:
+            return generate(
+                self.model,
+                self.tokenizer,
+                questions,
+                self.rollout_cfg,
+                repeats=repeats,
+                greedy=greedy,
+                temperature=temperature,
+                synced=is_sharded(self.model),
+            )
+        from pbt.algorithms.vllm_engine import Request
+
+        if self.adapter_stale:
+            self.engine.sync(self)
+        return self.engine.complete([Request(self, questions, repeats, greedy, temperature)])[0]
 
     def score(self, examples: list[Example], batch: RolloutBatch, reward_fn: RewardFn) -> Tensor:
         """Rewards ``[N]`` of ``batch``'s completions, its rows grouped by ``examples``."""
@@ -228,6 +254,7 @@ class GRPO(Learner):
             "tokens": 0.0,
             "grad_norm": 0.0,
             "updates": 0,
+            **dict.fromkeys(IMPORTANCE_TOTALS, 0.0),
         }
         longest = int(all_reduce([len(batch)], "max")[0])
         for _ in range(algo.update_epochs):
@@ -245,6 +272,33 @@ class GRPO(Learner):
             "clip_fraction": reduced[1] / tokens,
             "grad_norm": totals["grad_norm"] / max(totals["updates"], 1),
             "optimizer_steps": float(totals["updates"]),
+            **self._importance_metrics(batch, totals),
+        }
+
+    def _importance_correct(self, per_token, trainer_old, part, mask, totals) -> Tensor:
+        """``per_token`` weighted by the truncated importance weight of each token when the
+        sampler reported its log-probs (vLLM) and the correction is on; the weights' statistics
+        accumulate in ``totals``."""
+        cap = self.rollout_cfg.vllm.importance_cap
+        if part.logprobs is None or cap <= 0:
+            return per_token
+        weight, capped = losses.truncated_importance_weights(trainer_old, part.logprobs, cap)
+        totals["is_weight"] += float((weight * mask).sum())
+        totals["is_capped"] += float((capped.float() * mask).sum())
+        totals["logprob_gap"] += float(((trainer_old - part.logprobs).abs() * mask).sum())
+        totals["is_tokens"] += float(mask.sum())
+        return per_token * weight
+
+    def _importance_metrics(self, batch: RolloutBatch, totals) -> dict[str, float]:
+        """The importance correction's global statistics (a collective), when it ran."""
+        if batch.logprobs is None or self.rollout_cfg.vllm.importance_cap <= 0:
+            return {}
+        weight, capped, gap, tokens = all_reduce([totals[k] for k in IMPORTANCE_TOTALS])
+        tokens = max(tokens, 1.0)
+        return {
+            "is_weight_mean": weight / tokens,
+            "is_capped_fraction": capped / tokens,
+            "logprob_gap": gap / tokens,
         }
 
     def _mini_batch_step(self, batch, advantages, rows, mini, old_logp, ref_logp, totals) -> None:
@@ -269,6 +323,7 @@ class GRPO(Learner):
             per_token, clipped = self.objective.per_token_loss(
                 logp, old, advantages[idx], m, algo.clip_low, algo.clip_high
             )
+            per_token = self._importance_correct(per_token, old, part, m, totals)
             if ref_logp is not None:
                 kl = losses.kl_k3(logp, ref_logp[idx])
                 per_token = per_token + algo.beta * kl
@@ -318,14 +373,10 @@ class GRPO(Learner):
         total = 0.0
         for call in range(calls):
             chunk = mine[call * batch_size : (call + 1) * batch_size]
-            batch = generate(
-                self.model,
-                self.tokenizer,
+            batch = self.sample(
                 [ex.question for ex in chunk or examples[:1]],
-                self.rollout_cfg,
                 greedy=temperature == 0,
                 temperature=temperature or None,
-                synced=is_sharded(self.model),
             )
             total += sum(
                 reward_fn(t, ex.answer, ex.question)

@@ -10,6 +10,7 @@ registry :data:`LEARNERS` maps ``algorithm.name`` to the class.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -70,7 +71,7 @@ class Learner:
         self.tokenizer = tokenizer
         self.algorithm = AlgorithmConfig(**asdict(algorithm))
         self.optim_cfg = OptimConfig(**asdict(optim))
-        self.rollout_cfg = RolloutConfig(**asdict(rollout))
+        self.rollout_cfg = copy.deepcopy(rollout)
         self.total_steps = total_steps
         self.step = 0
         self.generator = torch.Generator().manual_seed(seed)
@@ -92,6 +93,13 @@ class Learner:
         # Adam's moments on the host between steps; on a CPU run there is nothing to offload
         offload = fsdp is not None and fsdp.optim_cpu_offload and self.device.type == "cuda"
         self.offload = OptimizerOffload(self.optimizer, self.device) if offload else None
+        self.engine = None
+        """The process's vLLM rollout engine with ``rollout.engine: vllm``; None samples through
+        Hugging Face ``generate``."""
+        self.adapter_name = "member"
+        """This learner's adapter in the engine (its member's id in a shared-base population)."""
+        self.adapter_stale = True
+        """Whether the adapter changed since the engine last loaded it."""
 
     @classmethod
     def population(
@@ -229,6 +237,7 @@ class Learner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._state_to_host()
+        self.adapter_stale = True
         return float(norm)
 
     def _update_in_mini_batches(
@@ -321,6 +330,7 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
+        self.adapter_stale = True
 
 
 def learner_class(name: str) -> type[Learner]:

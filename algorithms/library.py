@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from pbt.algorithms.member import Host, Member, capture_rng, restore_rng, seed_everything
+from pbt.algorithms.rollout import RolloutBatch
 from pbt.config import Manifest
 from pbt.errors import PbtError
 
@@ -101,6 +102,8 @@ class SharedBase:
         if self.active == member_id:
             self.active = None
         del self.members[member_id], self._weights[member_id], self._rng[member_id]
+        if self.host.engine is not None:
+            self.host.engine.forget(member_id)
 
     def member(self, member_id: str) -> Member:
         try:
@@ -143,6 +146,42 @@ class SharedBase:
         active, self.active = self.active, None
         if active is not None:
             self.activate(active)
+
+    # -- rollouts -------------------------------------------------------------------------
+
+    def complete_all(
+        self, questions: dict[str, list[str]], training: bool = True
+    ) -> dict[str, RolloutBatch]:
+        """Completions for several members at once: ``group_size`` samples per question when
+        ``training``, else one greedy completion, each from its own member's adapter.
+
+        With a vLLM rollout every member's prompts go to the engine in ONE batch (a LoRA
+        request per prompt; adapters that changed since the engine last saw them are reloaded
+        first, each in place). With Hugging Face ``generate`` the members take turns in the
+        adapter slot. Sampling seeds come from the streams of the member active at the call.
+        """
+        engine = self.host.engine
+        if engine is None:
+            batches = {}
+            for member_id, asked in questions.items():
+                batches[member_id] = self.activate(member_id).learner.complete(asked, training)
+            return batches
+        from pbt.algorithms.vllm_engine import Request
+
+        for member_id in questions:
+            learner = self.activate(member_id).learner
+            if learner.adapter_stale:
+                engine.sync(learner)
+        requests = [
+            Request(
+                self.member(member_id).learner,
+                asked,
+                repeats=self.manifest.algorithm.group_size if training else 1,
+                greedy=not training,
+            )
+            for member_id, asked in questions.items()
+        ]
+        return dict(zip(questions, engine.complete(requests), strict=True))
 
     # -- accounting ------------------------------------------------------------------------
 

@@ -99,6 +99,22 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def truncated_importance_weights(
+    trainer_logp: Tensor, sampler_logp: Tensor, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token weights ``min(p_trainer / p_sampler, cap)`` (no gradient) that correct a loss
+    for tokens sampled by an engine whose log-probs differ slightly from the trainer's (truncated
+    importance sampling, as in Yao et al., 2025), and where the cap bit.
+
+    Args:
+        trainer_logp: ``[N, T]`` the trainer's log-probs of the tokens at rollout time.
+        sampler_logp: ``[N, T]`` the sampling engine's log-probs of the same tokens.
+        cap: the truncation, > 0.
+    """
+    ratio = torch.exp((trainer_logp - sampler_logp).detach())
+    return ratio.clamp(max=cap), ratio > cap
+
+
 def aggregation_denominator(
     mask: Tensor, mode: Aggregation, max_tokens: int | None = None
 ) -> float:

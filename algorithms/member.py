@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
+from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
@@ -22,6 +22,7 @@ from pbt.algorithms.models import (
     load_base_model,
     load_tokenizer,
     quiet_transformers,
+    resolve_model_path,
 )
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import RL_ALGORITHMS, Manifest
@@ -60,12 +61,19 @@ class Host:
             shard_model(self.model, base, self.fsdp, device)
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
+        self.engine = None
+        if manifest.rollout.engine == "vllm":
+            from pbt.algorithms.vllm_engine import VLLMRollout
+
+            self.engine = VLLMRollout(
+                manifest, resolve_model_path(manifest.model.name), self.tokenizer, device
+            )
 
     def new_learner(self) -> Learner:
         """The algorithm's learner, with its own optimizer, schedule and generator over the
         adapter slot."""
         m = self.manifest
-        return learner_class(m.algorithm.name)(
+        learner = learner_class(m.algorithm.name)(
             self.model,
             self.tokenizer,
             m.algorithm,
@@ -75,6 +83,8 @@ class Host:
             seed=m.training.seed,
             fsdp=self.fsdp,
         )
+        learner.engine = self.engine
+        return learner
 
 
 class Member:
@@ -104,6 +114,7 @@ class Member:
         self.fsdp = self.host.fsdp
         self.task = self.host.task
         self.learner = self.host.new_learner()
+        self.learner.adapter_name = member_id
         self.fitness: list[float] = []
         self.mutation_ranges: dict[str, dict[str, Any]] = {
             name: dict(spec) for name, spec in manifest.mutation.ranges.items()
@@ -127,7 +138,7 @@ class Member:
             "lora_config": asdict(self.manifest.lora),
             "hyperparameters": self.learner.hyperparameters(),
             "mutation_ranges": {k: dict(v) for k, v in self.mutation_ranges.items()},
-            "trainable": {_peft_key(n): t for n, t in gather_parameters(named).items()},
+            "trainable": {peft_key(n): t for n, t in gather_parameters(named).items()},
             "learner": self.learner.state_dict(),
             "rng": all_gather_objects(capture_rng()),
             "world_size": self.world.world_size,
@@ -149,11 +160,7 @@ class Member:
         return digest
 
     def _adapter_config(self) -> dict[str, Any]:
-        config = self.model.peft_config["default"].to_dict()
-        config["base_model_name_or_path"] = adapter_dir_base(self.manifest.model.name)
-        targets = config["target_modules"]
-        config["target_modules"] = sorted(targets) if isinstance(targets, (set, list)) else targets
-        return config
+        return adapter_config(self.model, adapter_dir_base(self.manifest.model.name))
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``.
@@ -165,12 +172,12 @@ class Member:
         self._check_compatible(attrs, path)
         named = self.learner.named_params
         saved = attrs["trainable"]
-        if set(saved) != {_peft_key(n) for n, _ in named}:
+        if set(saved) != {peft_key(n) for n, _ in named}:
             raise CheckpointError(
                 f"checkpoint {path}: its adapter tensors do not fit this model's adapter"
             )
         try:
-            load_parameters(named, {n: saved[_peft_key(n)] for n, _ in named})
+            load_parameters(named, {n: saved[peft_key(n)] for n, _ in named})
         except KeyError as err:
             raise CheckpointError(f"checkpoint {path}: {err.args[0]}") from None
         self.learner.load_state_dict(attrs["learner"])
@@ -238,8 +245,3 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((3, tuple(state["python"]), None))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _peft_key(name: str, adapter: str = "default") -> str:
-    """PEFT's saved name for a parameter: the adapter name dropped, as in its safetensors."""
-    return name.replace(f".{adapter}.", ".")

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from pbt.algorithms import losses
-from pbt.algorithms.grpo import GRPO
+from pbt.algorithms.grpo import GRPO, IMPORTANCE_TOTALS
 from pbt.algorithms.models import lora_config
 from pbt.algorithms.rollout import RolloutBatch, sequence_logprobs
 from pbt.config import LoRAConfig
@@ -260,7 +260,7 @@ class PPO(GRPO):
         mini = (algo.mini_batch_size or algo.batch_completions) // self.world_size
         micro = min(algo.micro_batch_size or mini, mini)
         names = ("policy_loss", "value_loss", "clipped", "value_clipped", "tokens")
-        totals = dict.fromkeys(names, 0.0)
+        totals = dict.fromkeys(names + IMPORTANCE_TOTALS, 0.0)
         norms, steps = 0.0, 0
         for _ in range(algo.update_epochs):
             order = torch.randperm(len(batch), generator=self.generator)
@@ -289,6 +289,7 @@ class PPO(GRPO):
             "value_clip_fraction": reduced["value_clipped"] / tokens,
             "grad_norm": norms / max(steps, 1),
             "optimizer_steps": float(steps),
+            **self._importance_metrics(batch, totals),
         }
 
     def _micro_step(
@@ -304,7 +305,8 @@ class PPO(GRPO):
             logp.reshape(-1, 1), old_logp.reshape(-1, 1), advantages.reshape(-1),
             algo.clip_low, algo.clip_high,
         )  # fmt: skip
-        policy = losses.aggregate(flat_loss.view_as(logp), mask, mode, denominator)
+        per_token = self._importance_correct(flat_loss.view_as(logp), old_logp, part, mask, totals)
+        policy = losses.aggregate(per_token, mask, mode, denominator)
         # gradients are averaged across ranks: scale by the world size to get their sum
         (policy * scale).backward()
         with active_adapter(self.model, VALUE_ADAPTER):

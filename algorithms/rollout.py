@@ -31,6 +31,9 @@ class RolloutBatch:
     """``[N, C]`` float, 1.0 up to and including the first EOS."""
     texts: list[str]
     """Decoded completions, special tokens removed."""
+    logprobs: Tensor | None = None
+    """``[N, C]`` the sampler's log-probs of the completion tokens when it reports them (vLLM),
+    for the importance-sampling correction; None from ``generate``."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -44,6 +47,7 @@ class RolloutBatch:
             self.completion_ids[index],
             self.completion_mask[index],
             [self.texts[i] for i in rows],
+            None if self.logprobs is None else self.logprobs[index],
         )
 
 
@@ -67,6 +71,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         torch.cat([right(b.completion_ids, pad_id) for b in batches]),
         torch.cat([right(b.completion_mask, 0.0) for b in batches]),
         [text for b in batches for text in b.texts],
+        None
+        if any(b.logprobs is None for b in batches)
+        else torch.cat([right(b.logprobs, 0.0) for b in batches]),
     )
 
 

