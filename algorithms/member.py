@@ -19,10 +19,12 @@ from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
     add_lora,
+    compile_decoder,
     load_base_model,
     load_tokenizer,
     quiet_transformers,
     resolve_model_path,
+    set_mixed_precision,
 )
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import RL_ALGORITHMS, Manifest
@@ -59,6 +61,9 @@ class Host:
         self.fsdp = FSDPConfig.from_value(manifest.distributed.fsdp)
         if self.fsdp is not None:
             shard_model(self.model, base, self.fsdp, device)
+        set_mixed_precision(self.model, manifest.training.mixed_precision and self.fsdp is None)
+        if manifest.training.compile:
+            compile_decoder(self.model)
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
         self.engine = None

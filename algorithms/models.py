@@ -6,6 +6,7 @@ Every model, the built-in tiny one included, goes through the same ``from_pretra
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -110,3 +111,28 @@ def add_lora(model, cfg: LoRAConfig, adapter_name: str = "default") -> PeftModel
 def adapter_dir_base(name: str) -> str:
     """What a saved adapter records as its base model: a path for ``builtin:tiny``."""
     return str(Path(resolve_model_path(name)).resolve()) if name == TINY_MODEL_ID else name
+
+
+def set_mixed_precision(model, enabled: bool) -> None:
+    """Decide once whether :func:`mixed_precision` autocasts ``model``'s passes: on CUDA, when
+    the frozen base is bf16 or fp16 (the adapter's master weights stay float32)."""
+    frozen = next((p for p in model.parameters() if not p.requires_grad), None)
+    half = frozen is not None and frozen.dtype in (torch.bfloat16, torch.float16)
+    on_cuda = frozen is not None and frozen.device.type == "cuda"
+    model.pbt_autocast_dtype = frozen.dtype if enabled and half and on_cuda else None
+
+
+def mixed_precision(model) -> contextlib.AbstractContextManager:
+    """Autocast to the base's half type for ``model``'s passes, where
+    :func:`set_mixed_precision` turned it on; otherwise nothing."""
+    dtype = getattr(model, "pbt_autocast_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=dtype)
+
+
+def compile_decoder(model) -> None:
+    """Compile the decoder stack of ``model`` (a peft model) in place: parameter names and the
+    state dict stay as they are; the output layer stays eager (the log-prob path swaps it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.get_decoder().compile()

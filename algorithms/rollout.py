@@ -8,12 +8,14 @@ exactly the tokens the sampler saw.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pbt.algorithms.losses import token_logprobs
+from pbt.algorithms.models import mixed_precision
 from pbt.config import RolloutConfig
 
 
@@ -142,13 +144,133 @@ def completion_mask(completion_ids: Tensor, eos_id: int) -> Tensor:
 def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
     """Log-probs ``[N, C]`` of the batch's completion tokens under ``model``.
 
-    Gradients flow when called outside ``torch.no_grad()``.
+    Gradients flow when called outside ``torch.no_grad()``; the passes run under the model's
+    mixed precision (see :func:`~pbt.algorithms.models.set_mixed_precision`). The lean path (a plain linear
+    output layer, no logit post-processing): columns that are padding in every row are cut
+    off first, and the output layer's logits are never held for the whole batch: each chunk of
+    about :data:`LOGIT_CHUNK_BYTES` of float32 logits is computed, reduced to the target's
+    log-prob and freed, and recomputed in the backward pass. Otherwise the full logits.
     """
+    trimmed, right = _trim_padding(batch)
+    head = _plain_output_layer(model)
+    with mixed_precision(model):
+        if head is None:
+            logp = _full_logits_logprobs(model, trimmed, temperature)
+        else:
+            logp = _lean_logprobs(model, head, trimmed, temperature)
+    return torch.nn.functional.pad(logp, (0, right)) if right else logp
+
+
+def _inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention, positions
+
+
+def _full_logits_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
+    input_ids, attention, positions = _inputs(batch)
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
     prompt_len = batch.prompt_ids.shape[1]
     # logits at position t predict token t + 1: the completion is predicted from prompt_len - 1 on.
     completion_logits = logits[:, prompt_len - 1 : -1]  # [N, C, V]
     return token_logprobs(completion_logits, batch.completion_ids, temperature)
+
+
+LOGIT_CHUNK_BYTES = 512 * 2**20
+"""Float32 logits held at once by the lean log-prob path."""
+
+
+def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperature: float):
+    """The output layer's forward swapped, for one call, for the chunked log-prob reduction:
+    its result leaves the root module as ``logits`` (``[N, C]``), so under FSDP2 the layer's
+    weight is gathered around it in the forward and again before the backward reaches it."""
+    input_ids, attention, positions = _inputs(batch)
+    targets = batch.completion_ids
+    length = targets.shape[1]
+
+    def forward(hidden: Tensor) -> Tensor:  # [N, C + 1, H]: the last C + 1 positions
+        return chunked_token_logprobs(hidden[:, :-1], head.weight, head.bias, targets, temperature)
+
+    head.forward = forward
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            logits_to_keep=length + 1,
+        )
+    finally:
+        del head.forward  # the class's forward again
+    return out.logits
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
+) -> Tensor:
+    """``token_logprobs(hidden @ weight.T + bias, targets, temperature)`` without holding the
+    ``[N, C, V]`` logits: rows go through in chunks of about :data:`LOGIT_CHUNK_BYTES` of float32
+    logits, each recomputed in the backward pass (activation checkpointing) when gradients are
+    on."""
+    n, c, width = hidden.shape
+    flat, wanted = hidden.reshape(n * c, width), targets.reshape(n * c)
+    chunk = max(64, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, n * c, chunk):
+        args = (flat[start : start + chunk], weight, bias, wanted[start : start + chunk])
+        if grads:
+            parts.append(
+                torch.utils.checkpoint.checkpoint(
+                    _chunk_logprobs, *args, temperature, use_reentrant=False
+                )
+            )
+        else:
+            parts.append(_chunk_logprobs(*args, temperature))
+    return torch.cat(parts).view(n, c) if parts else hidden.new_zeros((n, c), dtype=torch.float32)
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature: float) -> Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _plain_output_layer(model) -> torch.nn.Linear | None:
+    """The output layer when the lean path computes exactly what the model would: a plain
+    ``nn.Linear`` (not adapted) whose logits the model returns unchanged."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    config = getattr(base, "config", None)
+    post_processed = config is not None and (
+        getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None)
+    )
+    adapted = hasattr(head, "lora_A")  # peft wraps an adapted layer; its weight is not all of it
+    if post_processed or adapted or not isinstance(head, torch.nn.Linear):
+        return None
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    return head
+
+
+def _trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """The batch without prompt columns that are padding in every row (on the left) and
+    completion columns that are masked in every row (on the right), and how many of those."""
+    prompt_used = batch.prompt_mask.any(dim=0)
+    left = int(prompt_used.long().argmax()) if bool(prompt_used.any()) else 0
+    done = batch.completion_mask.any(dim=0)
+    keep = int(done.nonzero().max()) + 1 if bool(done.any()) else 1
+    right = batch.completion_ids.shape[1] - keep
+    if not left and not right:
+        return batch, 0
+    return (
+        RolloutBatch(
+            batch.prompt_ids[:, left:],
+            batch.prompt_mask[:, left:],
+            batch.completion_ids[:, :keep],
+            batch.completion_mask[:, :keep],
+            batch.texts,
+            None if batch.logprobs is None else batch.logprobs[:, :keep],
+        ),
+        right,
+    )

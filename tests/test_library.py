@@ -425,3 +425,16 @@ def test_every_algorithm_has_a_population_constructor():
         assert pop.manifest.algorithm.name == cls.name and len(pop) == 2
         assert set(pop[0].hyperparameters) == set(cls.mutable())
         assert pop[0].hyperparameters["lr"] == 1e-3
+
+
+def test_get_actions_gives_each_agent_its_own_completions(tmp_path):
+    """Several agents' prompts in one call (one engine batch under vLLM, see test_vllm.py):
+    each agent gets what its own ``get_action`` gives."""
+    pop = _population(tmp_path, optim={"lr": 5e-2})
+    pop[1].train_step()  # the two adapters now differ
+    prompts = [ex.question for ex in pop[0].sample_prompts()]
+    together = pop.get_actions({agent: prompts for agent in pop}, training=False)
+    for agent in pop:
+        alone = agent.get_action(prompts, training=False)
+        assert torch.equal(together[agent].completion_ids, alone.completion_ids)
+    assert together[pop[0]].texts != together[pop[1]].texts

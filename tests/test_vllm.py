@@ -12,16 +12,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support import run_torchrun, small_sections
 
 from pbt.errors import ConfigError
 from pbt.manifest import manifest_from_dict
 
+CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]
 DRIVERS = REPO / "tests" / "drivers"
 INSTALLED = importlib.util.find_spec("vllm") is not None
@@ -212,3 +215,83 @@ def test_vllm_member_under_torchrun(tmp_path, mode, monkeypatch):
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["fitness"] == ranks[1]["fitness"]
     assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# -- sleep mode (CUDA only: a small stand-in for the engine records what it is asked) ---------
+
+
+class _Completion:
+    def __init__(self, token_ids):
+        self.token_ids, self.logprobs = token_ids, None
+
+
+class _Output:
+    def __init__(self, n, eos):
+        self.outputs = [_Completion([5, 6, eos]) for _ in range(n)]
+
+
+class _RecordingEngine:
+    """Stands in for ``vllm.LLM`` where sleep mode cannot run (it needs CUDA)."""
+
+    def __init__(self, eos):
+        self.calls, self.eos = [], eos
+        self.llm_engine = self
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake")
+
+    def add_lora(self, request):
+        self.calls.append(f"add {request.lora_name} inplace={request.load_inplace}")
+
+    def remove_lora(self, lora_id):
+        self.calls.append(f"remove {lora_id}")
+
+    def generate(self, prompts, sampling_params, lora_request, use_tqdm):
+        self.calls.append(f"generate {len(prompts)}")
+        return [_Output(p.n, self.eos) for p in sampling_params]
+
+
+@needs_vllm
+def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypatch):
+    """Generate, then sleep through the optimizer step; wake before the adapter reload and
+    before the next rollout. The adapter folder it writes loads as a plain PEFT adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pbt.algorithms import vllm_engine
+    from pbt.algorithms.member import Member
+    from pbt.algorithms.models import resolve_model_path
+    from pbt.algorithms.rollout import sequence_logprobs
+
+    member = Member(manifest_from_dict(small_sections(tmp_path), base_dir=tmp_path), CPU, "m0")
+    fake = _RecordingEngine(member.tokenizer.eos_token_id)
+
+    def start(self, manifest, model_dir):
+        self.sleeps = True
+        return fake
+
+    monkeypatch.setattr(vllm_engine.VLLMRollout, "_start", start)
+    engine = vllm_engine.VLLMRollout(member.manifest, "unused", member.tokenizer, CPU)
+    learner = member.learner
+    learner.engine = engine
+    batch = learner.complete(["Write the letter a."])  # first use: load, then sample
+    learner.train_step(member.task.train, member.task.reward_fn)  # samples (no signal: no step)
+    (-sequence_logprobs(learner.model, batch, 1.0).sum()).backward()
+    learner._optimizer_step()
+    learner.complete(["Write the letter b."])  # the step made the adapter stale: reload
+    assert fake.calls == [
+        "add m0 inplace=False", "generate 1", "sleep1",
+        "wake", "generate 2", "sleep1",
+        "wake", "remove 1", "add m0 inplace=True", "generate 1", "sleep1",
+    ]  # fmt: skip
+    assert batch.completion_ids[0].tolist()[:3] == [5, 6, member.tokenizer.eos_token_id]
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
+    loaded = PeftModel.from_pretrained(base, engine.folder / "m0")
+    saved = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    for name, p in learner.named_params:
+        assert torch.equal(saved[name], p.detach())
+    engine.llm = None  # nothing of vLLM's started here: nothing to tear down
+    shutil.rmtree(engine.folder)
