@@ -21,16 +21,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-from pbt.algorithms.member import Host, Member, capture_rng, restore_rng, seed_everything
+from pbt.algorithms.member import (
+    Host,
+    Member,
+    capture_rng,
+    local_shard,
+    restore_rng,
+    seed_everything,
+)
 from pbt.algorithms.rollout import RolloutBatch
 from pbt.config import Manifest
 from pbt.errors import PbtError
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _clone_value(value: Any) -> Any:
@@ -54,9 +56,9 @@ class SharedBase:
     def __init__(self, manifest: Manifest, device: torch.device) -> None:
         self.host = Host(manifest, device)
         self.manifest = manifest
-        self.params = [p for _, p in self.host.model.named_parameters() if p.requires_grad]
+        self.params = self.host.trainable
         # every member starts from the adapter as initialised (B = 0: the base's outputs)
-        self._initial = [_local(p).detach().clone() for p in self.params]
+        self._initial = self.host.initial_adapter
         self.members: dict[str, Member] = {}
         self._weights: dict[str, list[Tensor]] = {}
         self._rng: dict[str, dict[str, Any]] = {}
@@ -123,7 +125,7 @@ class SharedBase:
             self._store_active()
             with torch.no_grad():
                 for p, saved in zip(self.params, self._weights[member_id], strict=True):
-                    _local(p).copy_(saved)
+                    local_shard(p).copy_(saved)
             restore_rng(self._rng[member_id])
             self.active = member_id
         return member
@@ -139,7 +141,7 @@ class SharedBase:
             return
         with torch.no_grad():
             for p, saved in zip(self.params, self._weights[self.active], strict=True):
-                saved.copy_(_local(p))
+                saved.copy_(local_shard(p))
         self._rng[self.active] = capture_rng()
 
     def _restore_active(self) -> None:
@@ -193,17 +195,17 @@ class SharedBase:
         model = self.host.model
         trainable = {id(p) for p in self.params}
         base = sum(
-            _local(p).numel() * _local(p).element_size()
+            local_shard(p).numel() * local_shard(p).element_size()
             for p in model.parameters()
             if id(p) not in trainable
         )
-        slot = sum(_local(p).numel() * _local(p).element_size() for p in self.params)
+        slot = sum(local_shard(p).numel() * local_shard(p).element_size() for p in self.params)
         per_member = {}
         for member_id, member in self.members.items():
             owned = sum(t.numel() * t.element_size() for t in self._weights[member_id])
             for state in member.learner.optimizer.state.values():
                 owned += sum(
-                    _local(v).numel() * _local(v).element_size()
+                    local_shard(v).numel() * local_shard(v).element_size()
                     for v in state.values()
                     if torch.is_tensor(v)
                 )

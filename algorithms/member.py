@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
 from pbt.algorithms.learner import Learner, learner_class
@@ -64,6 +65,10 @@ class Host:
         set_mixed_precision(self.model, manifest.training.mixed_precision and self.fsdp is None)
         if manifest.training.compile:
             compile_decoder(self.model)
+        self.trainable = [p for _, p in self.model.named_parameters() if p.requires_grad]
+        self.initial_adapter = [local_shard(p).detach().clone() for p in self.trainable]
+        """The adapter (and any other trained module) as initialised: what a new member starts
+        from (this rank's shards under FSDP2)."""
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
         self.engine = None
@@ -73,6 +78,17 @@ class Host:
             self.engine = VLLMRollout(
                 manifest, resolve_model_path(manifest.model.name), self.tokenizer, device
             )
+
+    def serves(self, manifest: Manifest) -> bool:
+        """Whether a member of ``manifest`` can train on this host (the same configuration:
+        a campaign's members differ only in hyperparameters, applied to their learners)."""
+        return asdict(manifest) == asdict(self.manifest)
+
+    @torch.no_grad()
+    def reset_adapter(self) -> None:
+        """Put the adapter slot back to its initial values, for a member starting afresh."""
+        for p, initial in zip(self.trainable, self.initial_adapter, strict=True):
+            local_shard(p).copy_(initial)
 
     def new_learner(self) -> Learner:
         """The algorithm's learner, with its own optimizer, schedule and generator over the
@@ -215,6 +231,11 @@ class Member:
                     f"checkpoint {path} has {key} {attrs.get(key)!r} but this run uses {value!r}; "
                     "load it with the manifest it was trained with"
                 )
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter; the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def load_data(manifest: Manifest) -> Task:

@@ -33,7 +33,14 @@ import yaml
 from pbt.campaign_log import CampaignLog
 from pbt.config import Manifest
 from pbt.errors import PbtError
-from pbt.launch import LocalLauncher, Outcome, TaskSpec, kill_orphan, write_json_atomic
+from pbt.launch import (
+    LocalLauncher,
+    Outcome,
+    PersistentLauncher,
+    TaskSpec,
+    kill_orphan,
+    write_json_atomic,
+)
 from pbt.manifest import manifest_from_dict
 from pbt.populate import (
     INIT_STUDY,
@@ -88,6 +95,7 @@ class Campaign:
         self.member_command = member_command
         self.say = print
         self.log = CampaignLog(directory, self.manifest)
+        self._workers: PersistentLauncher | None = None
 
     # -- creation and resume ---------------------------------------------------------------
 
@@ -176,7 +184,11 @@ class Campaign:
         return cls(directory, raw, member_command)
 
     def close(self) -> None:
-        """Send what is left to the tracking store, then release the store and the lock."""
+        """Stop the long-lived workers, send what is left to the tracking store, then release
+        the store and the lock."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
         self.log.close()
         self.store.close()
         self._lock.close()
@@ -450,6 +462,15 @@ class Campaign:
         return training
 
     def _launcher(self) -> LocalLauncher:
+        """A launcher per generation; with ``persistent_workers`` one for the whole campaign,
+        whose workers outlive each generation."""
+        if self.manifest.launch.persistent_workers:
+            if self._workers is None:
+                self._workers = self._new_launcher()
+            return self._workers
+        return self._new_launcher()
+
+    def _new_launcher(self) -> LocalLauncher:
         launch = self.manifest.launch
         command = self.member_command or [
             sys.executable,
@@ -468,8 +489,12 @@ class Campaign:
             env["OMP_NUM_THREADS"] = str(
                 max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks))
             )
-        return LocalLauncher(
+        kind, extra = LocalLauncher, {}
+        if launch.persistent_workers:
+            kind, extra = PersistentLauncher, {"workers_dir": self.dir / "workers"}
+        return kind(
             command,
+            **extra,
             slots=launch.slots,
             gpus_per_member=launch.gpus_per_member,
             gpu_ids=launch.gpu_ids,

@@ -9,8 +9,10 @@ This module imports no torch: the controller reads configs and must start instan
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -59,6 +61,8 @@ MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
 (no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
 
 RL_ALGORITHMS = ("GRPO", "REINFORCE", "PPO")
+RL_TASKS = ("builtin:letters", "builtin:arithmetic")
+"""The prompt sets an RL algorithm learns from (each with its own reward)."""
 """Algorithms that sample completions and learn from rewards (the rest learn from datasets)."""
 
 
@@ -442,6 +446,41 @@ class RewardRef:
             problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
         return problems
 
+    def check_source(self, base_dir: Path, prefix: str) -> list[str]:
+        """The file exists under ``base_dir`` and defines ``function`` at its top level. The
+        source is parsed, not executed: a manifest check runs no user code."""
+        path = base_dir / self.file
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except OSError as err:
+            return [
+                f"{prefix}.file ({self.file!r}) cannot be read ({path}: {err.strerror}); give a "
+                ".py path relative to the manifest's folder"
+            ]
+        except SyntaxError as err:
+            return [
+                f"{prefix}.file ({self.file!r}) is not valid Python: line {err.lineno}: "
+                f"{err.msg}; fix the file"
+            ]
+        defined = [
+            node.name
+            for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ] + [
+            target.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        ]
+        if self.function not in defined:
+            found = ", ".join(defined) or "nothing"
+            return [
+                f"{prefix}.function ({self.function!r}) is not defined at the top level of "
+                f"{self.file}; it defines: {found}"
+            ]
+        return []
+
 
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
@@ -675,6 +714,11 @@ class LaunchConfig:
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: float = 300.0
     task_timeout_s: float | None = None
+    persistent_workers: bool = False
+    """Keep one worker group per slot alive for the whole campaign: the base model loads once
+    per slot, and the next member costs an adapter, optimizer and RNG load (megabytes), not a
+    process start and a model load. A member that fails takes its worker down; a fresh one
+    serves the next task."""
 
     @property
     def ranks(self) -> int:
@@ -735,11 +779,34 @@ class Manifest:
             )
         if self.rollout.engine == "vllm":
             problems += self._check_vllm()
+        problems += self._check_files()
         if self.training.compile and fsdp:
             problems.append(
                 "training.compile (true) is not supported with distributed.fsdp: compile data "
                 "parallel members, or set compile: false"
             )
+        return problems
+
+    def _check_files(self) -> list[str]:
+        """The task, dataset and reward files exist where the manifest says, and the reward
+        function is defined in its file (read, never run, here)."""
+        problems: list[str] = []
+        task, base = self.task, Path(self.base_dir)
+        if self.algorithm.name in RL_ALGORITHMS:
+            if task.name not in RL_TASKS:
+                problems.append(
+                    f"task.name ({task.name!r}) is not a task {self.algorithm.name} can learn; "
+                    f"use {' or '.join(RL_TASKS)}, with task.reward for your own reward"
+                )
+        elif task.name != "builtin:letters" and not (base / task.name).is_file():
+            problems.append(
+                f"task.name ({task.name!r}) is neither builtin:letters nor a file: "
+                f"{base / task.name} does not exist; give a JSONL path relative to the "
+                "manifest's folder"
+            )
+        reward = task.reward
+        if reward is not None and reward.file.endswith(".py"):
+            problems += reward.check_source(base, "task.reward")
         return problems
 
     def _check_vllm(self) -> list[str]:

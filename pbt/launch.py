@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -237,6 +239,9 @@ class LocalLauncher:
             raise
         return [outcomes[i] for i in range(len(tasks))]
 
+    def close(self) -> None:
+        """Nothing outlives :meth:`run` here; a long-lived launcher stops its workers."""
+
     def _check_tasks(self, tasks: list[TaskSpec]) -> None:
         dirs = [Path(t.task_dir).resolve() for t in tasks]
         if len(set(dirs)) != len(dirs):
@@ -329,6 +334,151 @@ class LocalLauncher:
         return Outcome(item.task.task_id, status, returncode, result, detail, seconds)
 
 
+@dataclass
+class _Worker:
+    slot: int
+    nproc: int
+    port: int
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    sent: int = 0
+    """Inbox entries written to this worker so far (the next one's number)."""
+
+
+class PersistentLauncher(LocalLauncher):
+    """Run tasks on long-lived worker groups, one per slot, that load the base model once.
+
+    The same ``run`` contract and task files as :class:`LocalLauncher`, plus one folder per
+    slot, ``<workers_dir>/slot<i>``: the controller starts the group there with ``--serve
+    FOLDER`` in place of a task path, and hands it each task by writing
+    ``inbox/<n>.json`` (``{"task": .../task.json, "log": ...}``, ``n`` = 0, 1, ... for each
+    worker start). The worker takes the entries in order, runs each as the one-shot worker
+    would (heartbeat and ``result.json`` in the task's folder, its output in the task's log) and
+    waits for the next. A task that fails, hangs or outruns its timeout takes its worker down
+    with it: the group is killed and a fresh one serves the slot's next task. ``close()`` (or a
+    ``stop`` file) ends the workers; a worker also ends after ``idle_timeout_s`` without a task
+    and when its folder is gone.
+
+    Args:
+        command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
+        workers_dir: where the slot folders go (a campaign's ``workers/``).
+        idle_timeout_s: passed to the workers.
+        **kwargs: as :class:`LocalLauncher`.
+    """
+
+    def __init__(
+        self, command: list[str], workers_dir: Path, idle_timeout_s: float = 900.0, **kwargs
+    ) -> None:
+        super().__init__(command, **kwargs)
+        self.workers_dir = Path(workers_dir)
+        self.idle_timeout_s = idle_timeout_s
+        self._workers: dict[int, _Worker] = {}
+        for slot in range(self.slots):  # groups a crashed controller left behind
+            folder = self._folder(slot)
+            kill_orphan(folder, names=folder)
+
+    def _folder(self, slot: int) -> Path:
+        return self.workers_dir / f"slot{slot}"
+
+    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
+        task_dir = Path(task.task_dir)
+        for stale in ("result.json", "heartbeat"):
+            (task_dir / stale).unlink(missing_ok=True)
+        worker = self._workers.get(slot)
+        if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
+            _kill_groups([worker.proc])
+            worker = None
+        if worker is None:
+            worker = self._spawn(slot, task.nproc, taken_ports)
+        Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
+        entry = {"task": str(task_dir / "task.json"), "log": str(task.log_path)}
+        write_json_atomic(worker.folder / "inbox" / f"{worker.sent:06d}.json", entry)
+        worker.sent += 1
+        return _Running(index, task, slot, worker.port, worker.proc, time.monotonic(), time.time())
+
+    def _spawn(self, slot: int, nproc: int, taken_ports: set[int]) -> _Worker:
+        """Start a worker group for ``slot`` on an empty inbox."""
+        folder = self._folder(slot)
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "inbox").mkdir(parents=True)
+        port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
+        argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
+        argv += ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
+        env.pop("MLFLOW_RUN_ID", None)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(folder / "worker.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        (folder / "pgid").write_text(str(proc.pid))
+        worker = _Worker(slot, nproc, port, proc, folder)
+        self._workers[slot] = worker
+        return worker
+
+    def _check(self, item: _Running) -> Outcome | None:
+        path = Path(item.task.task_dir) / "result.json"
+        if path.exists():  # written atomically: complete once it exists
+            result = read_json(path)
+            if result is not None and result.get("status") == "ok":
+                return self._outcome(item, 0, "ok", result, "served by a long-lived worker")
+            returncode = self._drop(item)
+            return self._outcome(
+                item, returncode, "bad_result", result, "result.json is not an ok result"
+            )
+        returncode = item.proc.poll()
+        if returncode is not None:  # the worker ended before the task did
+            self._drop(item)
+            if returncode == 0:
+                return self._outcome(
+                    item, 0, "no_result", None, "the worker exited 0 without finishing the task"
+                )
+            return self._outcome(item, returncode, "failed", None, _describe_exit(returncode))
+        overdue = self._overdue(item)
+        if overdue is None:
+            return None
+        status, reason = overdue
+        returncode = self._drop(item)
+        return self._outcome(
+            item, returncode, status, None, f"{reason}; the worker was {_describe_exit(returncode)}"
+        )
+
+    def _drop(self, item: _Running) -> int:
+        """Kill the worker that ran ``item`` (and its group); the slot starts a fresh one."""
+        (returncode,) = _kill_groups([item.proc])
+        worker = self._workers.get(item.slot)
+        if worker is not None and worker.proc is item.proc:
+            del self._workers[item.slot]
+        return returncode
+
+    def _outcome(self, item, returncode, status, result, detail) -> Outcome:
+        outcome = super()._outcome(item, returncode, status, result, detail)
+        if status == "ok":
+            return outcome
+        tail = _log_tail(self._folder(item.slot) / "worker.log")
+        if tail:
+            detail = f"{outcome.detail}\n--- last lines of the worker's own log ---\n{tail}"
+            outcome = dataclasses.replace(outcome, detail=detail)
+        return outcome
+
+    def close(self) -> None:
+        """Ask every worker to stop, and kill those that have not within the grace period."""
+        for worker in self._workers.values():
+            with contextlib.suppress(OSError):
+                (worker.folder / "stop").touch()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for worker in self._workers.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+        _kill_groups([w.proc for w in self._workers.values()])
+        self._workers.clear()
+
+
 def _classify_exit(
     task_dir: Path, returncode: int
 ) -> tuple[OutcomeStatus, dict[str, Any] | None, str]:
@@ -402,18 +552,19 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def kill_orphan(task_dir: Path) -> bool:
+def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
     """End the process group a previous (crashed) controller started for ``task_dir``.
 
-    The group is killed only while its leader's command line still names this task, so a
-    recycled process id is never hit. Returns whether anything was killed.
+    The group is killed only while its leader's command line still names ``names`` (default
+    the task's ``task.json``), so a recycled process id is never hit. Returns whether anything
+    was killed.
     """
     try:
         pgid = int((Path(task_dir) / "pgid").read_text())
         cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
     except (OSError, ValueError):
         return False
-    if str(Path(task_dir) / "task.json").encode() not in cmdline:
+    if str(names or Path(task_dir) / "task.json").encode() not in cmdline:
         return False
     _signal_group(pgid, signal.SIGKILL)
     deadline = time.monotonic() + KILL_GRACE_S

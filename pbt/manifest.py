@@ -7,6 +7,7 @@ suggested), wrong types, and the value rules each config's ``check()`` states. T
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -73,7 +74,7 @@ def manifest_from_dict(
     data: dict[str, Any], base_dir: str | Path = ".", source: str = "manifest"
 ) -> Manifest:
     """Validate a manifest given as a dict of sections, optionally with an ``INIT_HP`` entry."""
-    data = dict(data)
+    data = copy.deepcopy(data)  # INIT_HP is merged into the sections: never the caller's dicts
     problems: list[str] = []
     init_hp = data.pop("INIT_HP", None)
     if init_hp is not None:
@@ -158,9 +159,12 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
                 f"{_join(prefix, key)} is not a known key{_suggest_key(cls, key, fields)}"
             )
             continue
+        before = len(problems)
         ok, converted = _coerce(value, hints[key], _join(prefix, key), problems)
         if ok:
             kwargs[key] = converted
+        elif len(problems) == before + 1:
+            problems[-1] += _fix_hint(fields[key], hints[key], value)
     missing = [
         name
         for name, f in fields.items()
@@ -173,6 +177,19 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     if missing:
         return None
     return cls(**kwargs)
+
+
+def _fix_hint(field: dataclasses.Field, hint: Any, value: Any) -> str:
+    """What to write instead of a value of the wrong type: the nearest allowed choice, or the
+    field's default as an example."""
+    if typing.get_origin(hint) is Literal:
+        choices = [str(a) for a in typing.get_args(hint)]
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+        return f"; did you mean {close[0]!r}?" if close else ""
+    default = field.default
+    if isinstance(default, (bool, int, float, str)):
+        return f"; e.g. {field.name}: {yaml.safe_dump(default).splitlines()[0]}"
+    return ""
 
 
 def _coerce(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool, Any]:

@@ -1,6 +1,7 @@
-"""Run one member task of a campaign: the program the launcher starts under torchrun.
+"""Run member tasks of a campaign: the program the launcher starts under torchrun.
 
-    torchrun --nproc_per_node=N -m pbt.worker <task_dir>/task.json
+    torchrun --nproc_per_node=N -m pbt.worker <task_dir>/task.json     one task, then exit
+    torchrun --nproc_per_node=N -m pbt.worker --serve <slot_folder>    a long-lived worker
 
 The task (written by the controller) names the campaign's manifest, the member, its parent
 checkpoint (or none: the base model), the hyperparameters, the steps to train and the seed. The
@@ -25,54 +26,64 @@ from pbt.manifest import manifest_from_dict
 from pbt.population import member_seed
 
 
-def run_task(task: dict[str, Any]) -> dict[str, Any]:
-    """Train the member described by ``task`` and return its result (every rank calls this)."""
+def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
+    """Train the member described by ``task``; return its result and the host it trained on
+    (every rank calls this).
+
+    ``host`` is a model loaded by an earlier task of a long-lived worker: it is reused, its
+    adapter reset, when the task's manifest is the one it was built for, so switching members
+    costs an adapter, optimizer and RNG load, not a model load. A member gives the same
+    checkpoint and fitness either way.
+    """
     import torch
 
-    from pbt.algorithms.member import Member, seed_everything
-    from pbt.distributed import pick_device, shutdown, world_info
+    from pbt.algorithms.member import Host, Member, seed_everything
+    from pbt.distributed import pick_device, world_info
 
     campaign = Path(task["campaign_dir"])
     manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
     world = world_info()
-    member = Member(
-        manifest, pick_device(manifest.training.device, world.local_rank), task["member_id"]
+    device = pick_device(manifest.training.device, world.local_rank)
+    if host is not None and host.serves(manifest):
+        host.reset_adapter()
+    else:
+        host = Host(manifest, device)
+    member = Member(manifest, device, task["member_id"], host=host)
+    if task["parent_checkpoint"]:
+        member.load(campaign / task["parent_checkpoint"])
+    member.learner.apply_hyperparameters(task["hyperparameters"])
+    seed = member_seed(manifest.training.seed, task["member_id"])
+    seed_everything(seed + world.rank)
+    member.learner.generator.manual_seed(seed)
+    member.lineage = {
+        "member": task["member_id"],
+        "parent": task["parent_id"],
+        "generation": task["generation"],
+        "mutation": task["mutation"],
+    }
+    started = time.perf_counter()
+    history = _train(member, task["steps"])
+    fitness = member.learner.evaluate(
+        member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
     )
-    try:
-        if task["parent_checkpoint"]:
-            member.load(campaign / task["parent_checkpoint"])
-        member.learner.apply_hyperparameters(task["hyperparameters"])
-        seed = member_seed(manifest.training.seed, task["member_id"])
-        seed_everything(seed + world.rank)
-        member.learner.generator.manual_seed(seed)
-        member.lineage = {
-            "member": task["member_id"],
-            "parent": task["parent_id"],
-            "generation": task["generation"],
-            "mutation": task["mutation"],
-        }
-        started = time.perf_counter()
-        history = _train(member, task["steps"])
-        fitness = member.learner.evaluate(
-            member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
-        )
-        member.fitness.append(fitness)
-        digest = member.save(campaign / task["checkpoint"])
-        return {
-            "status": "ok",
-            "member_id": task["member_id"],
-            "fitness": fitness,
-            "metrics": history[-1] if history else {},
-            "history": history,
-            "steps": member.learner.step,
-            "checkpoint": task["checkpoint"],
-            "digest": digest,
-            "seconds": time.perf_counter() - started,
-            "world_size": world.world_size,
-            "device": str(torch.device(member.device)),
-        }
-    finally:
-        shutdown()
+    member.fitness.append(fitness)
+    digest = member.save(campaign / task["checkpoint"])
+    if host.engine is not None:
+        host.engine.forget(member.member_id)
+    result = {
+        "status": "ok",
+        "member_id": task["member_id"],
+        "fitness": fitness,
+        "metrics": history[-1] if history else {},
+        "history": history,
+        "steps": member.learner.step,
+        "checkpoint": task["checkpoint"],
+        "digest": digest,
+        "seconds": time.perf_counter() - started,
+        "world_size": world.world_size,
+        "device": str(torch.device(member.device)),
+    }
+    return result, host
 
 
 def _train(member, steps: int) -> list[dict[str, float]]:
@@ -87,26 +98,104 @@ def _train(member, steps: int) -> list[dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m pbt.worker TASK_JSON``."""
+    """Entry point: ``python -m pbt.worker TASK_JSON`` (one task), or ``python -m pbt.worker
+    --serve FOLDER [--idle-timeout S]`` (a long-lived worker; see
+    :class:`pbt.launch.PersistentLauncher`)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"] and len(argv) in (2, 4):
+        idle = float(argv[3]) if len(argv) == 4 and argv[2] == "--idle-timeout" else 900.0
+        return serve(Path(argv[1]), idle)
     if len(argv) != 1:
-        print("usage: python -m pbt.worker TASK_JSON", file=sys.stderr)
+        print(
+            "usage: python -m pbt.worker TASK_JSON | --serve FOLDER [--idle-timeout S]",
+            file=sys.stderr,
+        )
         return 2
     task_path = Path(argv[0])
     task = read_json(task_path)
     if task is None:
         print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
         return 2
+    from pbt.distributed import shutdown
+
     rank = int(os.environ.get("RANK", 0))
     with Heartbeat(task_path.parent / "heartbeat") if rank == 0 else contextlib.nullcontext():
         try:
-            result = run_task(task)
+            result, _ = run_task(task)
         except PbtError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        finally:
+            shutdown()
         if rank == 0:
             write_json_atomic(task_path.parent / "result.json", result)
     return 0
+
+
+def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.1) -> int:
+    """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
+
+    Every rank reads the same inbox, so the group agrees on each task without a collective
+    while it waits. Ends on a ``stop`` file, when the folder is gone, or after
+    ``idle_timeout_s`` without a task; a task that fails ends the worker (exit 2), since its
+    ranks may be out of step.
+    """
+    from pbt.distributed import shutdown
+
+    rank = int(os.environ.get("RANK", 0))
+    host, taken = None, 0
+    try:
+        while True:
+            entry = _next_entry(folder, taken, idle_timeout_s, poll_s)
+            if entry is None:
+                return 0
+            taken += 1
+            task_path = Path(entry["task"])
+            task = read_json(task_path)
+            if task is None:
+                print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
+                return 2
+            beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else None
+            with beat or contextlib.nullcontext(), _output_to(entry["log"], rank == 0):
+                try:
+                    result, host = run_task(task, host)
+                except PbtError as err:
+                    print(f"error: {err}", file=sys.stderr)
+                    return 2
+                if rank == 0:
+                    write_json_atomic(task_path.parent / "result.json", result)
+    finally:
+        shutdown()
+
+
+def _next_entry(
+    folder: Path, number: int, idle_timeout_s: float, poll_s: float
+) -> dict[str, Any] | None:
+    """Wait for inbox entry ``number``; None when the worker should stop."""
+    path = folder / "inbox" / f"{number:06d}.json"
+    deadline = time.monotonic() + idle_timeout_s
+    while time.monotonic() < deadline:
+        if (folder / "stop").exists() or not folder.is_dir():
+            return None
+        entry = read_json(path)
+        if entry is not None:
+            return entry
+        time.sleep(poll_s)
+    return None
+
+
+@contextlib.contextmanager
+def _output_to(log: str, enabled: bool):
+    """This rank's prints go to the task's log while the task runs."""
+    if not enabled:
+        yield
+        return
+    with (
+        open(log, "a", buffering=1) as f,
+        contextlib.redirect_stdout(f),
+        contextlib.redirect_stderr(f),
+    ):
+        yield
 
 
 if __name__ == "__main__":

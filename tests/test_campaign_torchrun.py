@@ -115,11 +115,54 @@ def test_fitness_improves_and_a_killed_member_is_retried(manifest: Path, tmp_pat
     )
 
 
-def test_killed_controller_resumes_to_the_same_decisions(manifest: Path, tmp_path: Path):
-    straight = tmp_path / "reference"
+@pytest.fixture(scope="module")
+def reference(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The campaign run straight through, every member in a process of its own."""
+    straight = tmp_path_factory.mktemp("reference") / "campaign"
     subprocess.run(
         [*PBT, "run", str(manifest), "--dir", str(straight)], check=True, capture_output=True
     )
+    return straight
+
+
+def _digests(directory: Path) -> dict[str, str | None]:
+    with CampaignStore(directory / "store.db") as store:
+        return {m.member_id: m.checkpoint_digest for m in store.members()}
+
+
+def test_long_lived_workers_train_the_same_members(reference: Path, tmp_path: Path):
+    """``launch.persistent_workers``: one worker group per slot serves every task of the
+    campaign on a model loaded once, and every member comes out bit for bit as it does from a
+    process of its own: the same decisions, fitness and checkpoint digests."""
+    path = tmp_path / "persistent.yaml"
+    launch = {**MANIFEST["launch"], "persistent_workers": True}
+    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    directory = tmp_path / "campaign"
+    proc = subprocess.run(
+        [*PBT, "run", str(path), "--dir", str(directory)], capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _decisions(directory) == _decisions(reference)
+    assert _digests(directory) == _digests(reference)
+    served = sorted((directory / "workers").glob("slot*/inbox/*.json"))
+    assert len(served) == len(_decisions(reference))  # every task went to a live worker
+    assert len({p.parent.parent for p in served}) == MANIFEST["launch"]["slots"]
+    assert not any(_alive(p) for p in (directory / "workers").glob("slot*/pgid"))  # all ended
+
+
+def _alive(pgid_file: Path) -> bool:
+    try:
+        os.killpg(int(pgid_file.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def test_killed_controller_resumes_to_the_same_decisions(
+    manifest: Path, reference: Path, tmp_path: Path
+):
+    straight = reference
     directory = tmp_path / "killed"
     proc = subprocess.Popen(
         [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.DEVNULL

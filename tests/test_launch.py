@@ -407,3 +407,69 @@ def test_launch_imports_no_torch() -> None:
     code = "import sys, pbt.launch; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- long-lived workers ----------------------------------------------------------------------
+
+SERVING_MEMBER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+
+    from pbt.launch import Heartbeat, read_json, write_json_atomic
+    from pbt.worker import _next_entry
+
+    folder = Path(sys.argv[sys.argv.index("--serve") + 1])
+    served = 0
+    while True:
+        entry = _next_entry(folder, served, 30.0, 0.02)
+        if entry is None:
+            sys.exit(0)
+        served += 1
+        task_path = Path(entry["task"])
+        behaviour = read_json(task_path)["behaviour"]
+        if behaviour == "hang":
+            time.sleep(600)
+        with Heartbeat(task_path.parent / "heartbeat", interval_s=0.1):
+            print("serving", task_path.parent.name, flush=True)
+            if behaviour == "exit1":
+                sys.exit(1)
+            time.sleep(0.05)
+            result = {"status": "ok", "pid": os.getpid(), "served": served}
+            write_json_atomic(task_path.parent / "result.json", result)
+    """
+)
+
+
+def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tmp_path):
+    """One slot: three tasks on one worker; a task that crashes and one that hangs each take
+    their worker down, and a fresh worker serves the next task; close() ends the last one."""
+    from pbt.launch import PersistentLauncher
+
+    script = tmp_path / "serving_member.py"
+    script.write_text(SERVING_MEMBER)
+    workers = PersistentLauncher(
+        [sys.executable, str(script), "--nproc={nproc}", "--port={port}"],
+        tmp_path / "workers",
+        slots=1,
+        heartbeat_timeout_s=6.0,  # a worker's first heartbeat follows its imports
+        poll_s=0.05,
+    )
+    behaviours = ["ok", "ok", "ok", "exit1", "ok", "hang", "ok"]
+    tasks = [make_task(tmp_path, f"t{i}-{b}", b) for i, b in enumerate(behaviours)]
+    try:
+        outcomes = workers.run(tasks)
+        worker = workers._workers[0].proc
+    finally:
+        workers.close()
+    assert [o.status for o in outcomes] == [
+        "ok", "ok", "ok", "failed", "ok", "no_heartbeat", "ok",
+    ]  # fmt: skip
+    served = [(o.result or {}).get("pid") for o in outcomes]
+    assert served[0] == served[1] == served[2]  # one worker served the first three
+    assert [o.result["served"] for o in outcomes[:3]] == [1, 2, 3]
+    assert len({served[0], served[4], served[6]}) == 3  # a fresh worker after each fault
+    assert outcomes[4].result["served"] == 1 and outcomes[6].result["served"] == 1
+    assert "exit code 1" in outcomes[3].detail
+    assert "no heartbeat" in outcomes[5].detail
+    assert wait_dead(worker.pid)

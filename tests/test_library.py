@@ -232,7 +232,7 @@ def test_checkpoints_move_between_library_and_campaign(tmp_path):
     saved = load_checkpoint(campaign / "checkpoints" / "from-library")
     assert saved["step"] == 1 and saved["fitness"] == agent.fitness
     assert saved["mutation_ranges"]["lr"]["min"] > 0
-    result = run_task(
+    result, _ = run_task(
         _task(tmp_path, campaign, "g001-m00", "checkpoints/from-library", agent.hyperparameters)
     )
     assert result["status"] == "ok" and result["steps"] == 2
