@@ -32,6 +32,7 @@ import yaml
 
 from pbt.campaign_log import CampaignLog
 from pbt.config import Manifest
+from pbt.crash import crash_point
 from pbt.errors import PbtError
 from pbt.launch import (
     LocalLauncher,
@@ -130,11 +131,17 @@ class Campaign:
         campaign = cls(directory, raw, member_command)
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(path.read_text())
-        rng = random.Random(campaign.manifest.training.seed)
-        if campaign.manifest.search.strategy == "optuna":
-            search = campaign._search()
+        campaign._create_generation_zero()
+        return campaign
+
+    def _create_generation_zero(self) -> None:
+        """Draw generation 0 and commit it (as generation -1's successors) with the controller's
+        first RNG state. Deterministic: a start that crashed before the commit is redone."""
+        rng = random.Random(self.manifest.training.seed)
+        if self.manifest.search.strategy == "optuna":
+            search = self._search()
             members = []
-            for i in range(campaign.manifest.population.size):
+            for i in range(self.manifest.population.size):
                 number, hyperparameters = search.trial_for(f"g000-m{i:02d}")
                 members.append(
                     MemberRecord(
@@ -145,8 +152,8 @@ class Campaign:
                     )
                 )
         else:
-            storage = study_storage(directory)
-            members = create_population(manifest=campaign.manifest, rng=rng, storage=storage)
+            storage = study_storage(self.dir)
+            members = create_population(manifest=self.manifest, rng=rng, storage=storage)
             members = members.records()
         events = [
             {
@@ -158,10 +165,9 @@ class Campaign:
             }
             for m in members
         ]
-        campaign.store.commit_generation(
+        self.store.commit_generation(
             -1, [], members, events, _controller_state(rng, 0.0, 0.0), None
         )
-        return campaign
 
     @classmethod
     def resume(cls, directory: str | Path, member_command: list[str] | None = None) -> Campaign:
@@ -181,7 +187,14 @@ class Campaign:
             raise PbtError(
                 f"{directory}/store.db has no configuration: the campaign was never created"
             )
-        return cls(directory, raw, member_command)
+        campaign = cls(directory, raw, member_command)
+        if campaign.store.last_committed_generation() is None:
+            # the start crashed before generation 0 was committed: whatever its draws left in
+            # the studies is discarded, and generation 0 drawn again, the same way
+            for leftover in directory.glob("optuna.db*"):
+                leftover.unlink()
+            campaign._create_generation_zero()
+        return campaign
 
     def close(self) -> None:
         """Stop the long-lived workers, send what is left to the tracking store, then release
@@ -217,6 +230,7 @@ class Campaign:
                 ([], []) if reason else self._next_generation(generation, finished, rng)
             )
             best_pair = (best.member_id, best.fitness(self.manifest.population.fitness_window))
+            crash_point("selection")
             self.store.commit_generation(
                 generation,
                 finished,
@@ -415,7 +429,9 @@ class Campaign:
                 m.attempts += 1
                 m.status = "running"
                 self.store.update_member(m)
-            outcomes = self._launcher().run([self._task(m) for m in pending])
+            crash_point("launch")
+            tasks = [self._task(m) for m in pending]
+            outcomes = self._launcher().run(tasks, on_start=lambda *_: crash_point("task"))
             retry = []
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
@@ -558,6 +574,7 @@ class Campaign:
         """Delete checkpoints nothing references any more (disk stays bounded)."""
         for path in self.store.unreferenced_checkpoints():
             shutil.rmtree(self.dir / path, ignore_errors=True)
+            crash_point("gc")
             self.store.forget_checkpoint(path)
 
 

@@ -260,26 +260,30 @@ class LocalLauncher:
         for stale in ("result.json", "heartbeat"):
             (task_dir / stale).unlink(missing_ok=True)
         port = self._pick_port(slot, taken_ports)
-        argv = [
-            a.replace("{nproc}", str(task.nproc)).replace("{port}", str(port)) for a in self.command
-        ]
-        argv.append(str(task_dir / "task.json"))
+        proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
+        # the group id outlives this controller: a resumed one reads it to end orphans
+        (task_dir / "pgid").write_text(str(proc.pid))
+        return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
+
+    def _popen(
+        self, slot: int, nproc: int, port: int, tail: list[str], log_path: Path
+    ) -> subprocess.Popen[bytes]:
+        """The command (``{nproc}`` and ``{port}`` filled in, ``tail`` appended) as a process
+        group of its own on the slot's GPUs, writing to ``log_path``."""
+        argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
         env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
-        Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(task.log_path, "wb") as log:
-            proc = subprocess.Popen(
-                argv,
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(
+                [*argv, *tail],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
             )
-        # the group id outlives this controller: a resumed one reads it to end orphans
-        (task_dir / "pgid").write_text(str(proc.pid))
-        return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
         first = self.base_port + 10 * slot
@@ -402,20 +406,8 @@ class PersistentLauncher(LocalLauncher):
         shutil.rmtree(folder, ignore_errors=True)
         (folder / "inbox").mkdir(parents=True)
         port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
-        argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
-        argv += ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
-        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
-        env.pop("MLFLOW_RUN_ID", None)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(folder / "worker.log", "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        tail = ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
+        proc = self._popen(slot, nproc, port, tail, folder / "worker.log")
         (folder / "pgid").write_text(str(proc.pid))
         worker = _Worker(slot, nproc, port, proc, folder)
         self._workers[slot] = worker

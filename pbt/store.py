@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pbt.crash import crash_point
 from pbt.errors import PbtError
 from pbt.population import MemberRecord
 
@@ -351,6 +352,7 @@ class CampaignStore:
                 (generation, now, *(best or (None, None)), json.dumps(controller_state)),
             )
             self._track_checkpoints(db, [*finished, *next_members], best[0] if best else None)
+            crash_point("store")
 
     @staticmethod
     def _track_checkpoints(

@@ -108,15 +108,21 @@ def write_manifest(path: Path, base: dict, **changes: dict) -> Path:
 
 
 def start_campaign(
-    manifest: Path, directory: Path, member_command: list[str], member_seconds: float, **popen
+    manifest: Path,
+    directory: Path,
+    member_command: list[str],
+    member_seconds: float,
+    env: dict[str, str] | None = None,
+    **popen,
 ) -> subprocess.Popen:
-    """A campaign controller in its own process (to be killed, or to outlive a server)."""
+    """A campaign controller in its own process (to be killed, or to outlive a server), with
+    ``env`` added to its environment."""
     script = (
         "from pbt.campaign import Campaign; "
         f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, "
         f"member_command={member_command!r}); c.run(); c.close()"
     )
-    env = {**os.environ, "FAKE_MEMBER_SECONDS": str(member_seconds)}
+    env = {**os.environ, "FAKE_MEMBER_SECONDS": str(member_seconds), **(env or {})}
     return subprocess.Popen([sys.executable, "-c", script], env=env, **popen)
 
 

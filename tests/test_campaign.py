@@ -211,3 +211,41 @@ def test_budget_stops_the_campaign(tmp_path, budget, reason, generations):
         assert summary.generations < 50
     if "target" in reason:
         assert summary.best_fitness >= 2.0
+
+
+CRASHES = [
+    "launch:1", "launch:3", "task:1", "task:6", "selection:1", "selection:3",
+    "store:1", "store:3", "gc:1", "gc:4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The campaign the crash tests compare with, run without interruption."""
+    root = tmp_path_factory.mktemp("straight")
+    manifest = _manifest(root, budget={"generations": 4})
+    _run(manifest, root / "campaign")
+    return manifest, root / "campaign"
+
+
+@pytest.mark.parametrize("crash", CRASHES)
+def test_controller_killed_at_any_point_resumes_to_the_same_campaign(tmp_path, straight_run, crash):
+    """SIGKILL the controller at a crash point (see pbt.crash), resume: the same lineage,
+    hyperparameters and fitness as the uninterrupted run, and the same checkpoints on disk,
+    none orphaned, none missing."""
+    manifest, straight = straight_run
+    directory = tmp_path / "crashed"
+    env = {"PBT_CRASH_AT": crash}
+    proc = start_campaign(manifest, directory, FAKE, 0.05, env, stdout=subprocess.DEVNULL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL, f"{crash} was never reached"
+    resumed = Campaign.resume(directory, member_command=FAKE)
+    resumed.say = lambda *_: None
+    try:
+        resumed.run()
+    finally:
+        resumed.close()
+    assert _decisions(directory) == _decisions(straight)
+    on_disk = {p.name for p in (directory / "checkpoints").iterdir()}
+    assert on_disk == {p.name for p in (straight / "checkpoints").iterdir()}
+    with CampaignStore(directory / "store.db") as store:
+        assert store.unreferenced_checkpoints() == []
