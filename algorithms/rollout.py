@@ -231,9 +231,7 @@ def chunked_token_logprobs(
 
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature: float) -> Tensor:
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
 
 
 def _plain_output_layer(model) -> torch.nn.Linear | None:
