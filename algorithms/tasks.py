@@ -8,6 +8,8 @@ Built-in tasks are procedural (no downloads) and deterministic for a seed:
   model learns it on a CPU within minutes.
 - ``builtin:arithmetic``: short word problems ("Tom has 3 apples and buys 5 more...") with an
   exact-answer reward on the last number of the completion; for real models.
+- ``builtin:addition``: "What is 47 + 38?" with the same exact-answer reward, over a fixed
+  held-out split (:mod:`pbt.algorithms.addition`); its warm-started model learns it on a CPU.
 
 A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``,
 loaded only from the file the manifest names.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pbt.algorithms.addition import ADDITION_TASK, addition_split
 from pbt.config import RewardRef, TaskConfig
 from pbt.errors import ConfigError
 
@@ -125,6 +128,8 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     Raises:
         ConfigError: unknown task, too few distinct prompts, or a bad reward reference.
     """
+    if cfg.name == ADDITION_TASK:
+        return _addition_task(cfg, base_dir)
     rng = random.Random(f"{cfg.name}:{seed}")
     wanted = cfg.train_size + cfg.eval_size
     if cfg.name == "builtin:letters":
@@ -134,7 +139,8 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     else:
         raise ConfigError(
             [
-                f"task.name ({cfg.name!r}) is not a known task; use builtin:letters or builtin:arithmetic"
+                f"task.name ({cfg.name!r}) is not a known task; use builtin:letters, "
+                "builtin:arithmetic or builtin:addition"
             ]
         )
     rng.shuffle(pool)
@@ -150,6 +156,21 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     if cfg.reward is not None:
         reward_fn = load_reward_fn(cfg.reward, base_dir)
     return Task(cfg.name, train_split, eval_split, reward_fn)
+
+
+def _addition_task(cfg: TaskConfig, base_dir: str | Path) -> Task:
+    """The addition task: its split is fixed whatever the seed (see :func:`addition_split`)."""
+    try:
+        train, held_out = addition_split(cfg.eval_size, cfg.train_size)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    reward_fn = arithmetic_reward if cfg.reward is None else load_reward_fn(cfg.reward, base_dir)
+    return Task(
+        cfg.name,
+        [Example(q, a) for q, a in train],
+        [Example(q, a) for q, a in held_out],
+        reward_fn,
+    )
 
 
 def load_reward_fn(ref: RewardRef, base_dir: str | Path) -> RewardFn:

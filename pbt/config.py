@@ -61,7 +61,7 @@ MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
 (no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
 
 RL_ALGORITHMS = ("GRPO", "REINFORCE", "PPO")
-RL_TASKS = ("builtin:letters", "builtin:arithmetic")
+RL_TASKS = ("builtin:letters", "builtin:arithmetic", "builtin:addition")
 """The prompt sets an RL algorithm learns from (each with its own reward)."""
 """Algorithms that sample completions and learn from rewards (the rest learn from datasets)."""
 
@@ -487,7 +487,8 @@ class TaskConfig:
     """The prompts, their answers and the reward."""
 
     name: str = "builtin:letters"
-    """A built-in procedural task (``builtin:letters``, ``builtin:arithmetic``)."""
+    """A built-in procedural task (``builtin:letters``, ``builtin:arithmetic``,
+    ``builtin:addition``)."""
     reward: RewardRef | None = None
     """Replace the task's own reward with a user function."""
     train_size: int = 2048
