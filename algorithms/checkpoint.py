@@ -8,26 +8,34 @@ Layout (the same whatever world size saved it)::
       adapter/adapter_config.json
       manifest.json                      sha256 of every file above; written last
 
-A checkpoint is written into a temporary sibling directory and renamed into place, so readers
-see the old checkpoint or the new one, never half of one. Loading checks every digest before
-deserialising anything, and deserialises with ``weights_only=True`` so a file cannot run code.
+A checkpoint is written into a temporary sibling directory, every file and folder fsynced, and
+renamed into place, so readers see the old checkpoint or the new one, never half of one. A write
+that fails (a full disk: ``ENOSPC``; a file-size limit: ``EFBIG``) removes its temporary
+directory, leaves the previous checkpoint as it was, and raises a :class:`CheckpointError` that
+names the errno and the path. Loading checks every digest before deserialising anything, and
+deserialises with ``weights_only=True`` so a file cannot run code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
+from pbt.crash import fault_point
 from pbt.errors import CheckpointError
+from pbt.faults import DISK_FULL_ERRNOS
 
 FORMAT_VERSION = 1
 ATTRIBUTES = "attributes.pt"
@@ -48,21 +56,32 @@ def save_checkpoint(
         adapter_config: PEFT's ``adapter_config.json`` content.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         _write_files(tmp, {**attributes, "format_version": FORMAT_VERSION}, adapter_config)
         digest = _write_manifest(tmp)
         _replace_dir(tmp, path)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(err)
+        if cause is not None:
+            raise CheckpointError(_write_failure(path, cause)) from cause
         raise
     return digest
 
 
+TMP_MARK = ".tmp-"
+"""In the name of a checkpoint being written (``.<name>.tmp-<random>``): never a checkpoint."""
+OLD_MARK = ".old-"
+"""In the name of a replaced checkpoint being removed (``.<name>.old-<random>``)."""
+
+
 def _write_files(root: Path, attributes: dict[str, Any], adapter_config: dict[str, Any]) -> None:
-    torch.save(attributes, root / ATTRIBUTES)
+    target = root / ATTRIBUTES
+    with _writing(target), target.open("wb") as f:
+        torch.save(attributes, f)
     adapter = root / ADAPTER_DIR
     adapter.mkdir()
     tensors = {
@@ -70,9 +89,59 @@ def _write_files(root: Path, attributes: dict[str, Any], adapter_config: dict[st
         for k, v in attributes["trainable"].items()
         if is_policy_adapter_key(k)
     }
-    save_file(tensors, adapter / "adapter_model.safetensors", metadata={"format": "pt"})
-    (adapter / "adapter_config.json").write_text(
-        json.dumps(adapter_config, indent=2, sort_keys=True)
+    _write_bytes(
+        adapter / "adapter_model.safetensors",
+        safetensors_bytes(tensors, metadata={"format": "pt"}),
+    )
+    config = json.dumps(adapter_config, indent=2, sort_keys=True)
+    _write_bytes(adapter / "adapter_config.json", config.encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file; a short write (a full disk) raises, never truncates."""
+    with _writing(path), path.open("wb") as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Name ``path`` in the OSError a write to it raises, however deep the writer hid it."""
+    fault_point("disk_full", path)
+    try:
+        yield
+    except BaseException as err:
+        cause = _os_error(err)
+        if cause is None or cause.filename:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from err
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError behind ``err``: itself, or one it was raised from or while handling
+    (``torch.save`` reports a failed write as a RuntimeError raised while handling it)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _write_failure(path: Path, err: OSError) -> str:
+    """What went wrong writing checkpoint ``path``, and what to do about it."""
+    code = errno.errorcode.get(err.errno or 0, "an OS error")
+    where = f" writing {err.filename}" if err.filename else ""
+    if err.errno in DISK_FULL_ERRNOS:
+        why = "the disk is full" if err.errno != errno.EFBIG else "a file size limit was reached"
+        return (
+            f"checkpoint {path} was not written: {why} ({code}: {err.strerror}){where}; the "
+            f"previous checkpoint there, if any, is unchanged and nothing partial was left; free "
+            f"space on the disk that holds {path.parent} (or raise the limit) and resume"
+        )
+    return (
+        f"checkpoint {path} was not written ({code}: {err.strerror}){where}; the previous "
+        "checkpoint there, if any, is unchanged and nothing partial was left"
     )
 
 
@@ -117,17 +186,26 @@ def _write_manifest(root: Path) -> str:
         "files": {p.relative_to(root).as_posix(): _sha256(p) for p in files},
     }
     text = json.dumps(manifest, indent=2, sort_keys=True)
-    (root / MANIFEST).write_text(text)
+    _write_bytes(root / MANIFEST, text.encode())
     _fsync(root / MANIFEST)
+    for folder in (root / ADAPTER_DIR, root):
+        _fsync(folder)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _replace_dir(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``; a checkpoint already there is swapped out first and put back
+    if the rename fails, so ``path`` never ends up empty."""
     old = None
     if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        old = path.parent / f".{path.name}{OLD_MARK}{uuid.uuid4().hex[:8]}"
         path.rename(old)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except BaseException:
+        if old is not None:
+            old.rename(path)
+        raise
     _fsync(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

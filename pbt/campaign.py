@@ -12,6 +12,12 @@ Directory layout::
 Each generation boundary is one store transaction that also carries the controller's RNG state,
 so a resumed campaign makes exactly the decisions an uninterrupted one would. This module
 imports no torch: members are separate processes.
+
+The controller writes, loads and deletes only inside its directory: a member id, or a checkpoint
+path from the store or from a member's result, that would lead elsewhere (``..``, an absolute
+path, a symlink) is refused (:mod:`pbt.paths`). A member that cannot write its checkpoint
+because the disk is full stops the campaign after its last attempt, rather than being replaced
+by clones that would fail the same way: free space, then ``pbt resume``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,7 @@ from pbt.launch import (
     write_json_atomic,
 )
 from pbt.manifest import manifest_from_dict
+from pbt.paths import inside, plain_name
 from pbt.populate import (
     INIT_STUDY,
     base_hyperparameters,
@@ -248,7 +255,8 @@ class Campaign:
             if reason:
                 overall = self.store.best()
                 record = self.store.member(overall[0])
-                self.log.finished(self.dir / record.checkpoint if record.checkpoint else None)
+                best = record.checkpoint
+                self.log.finished(self._checkpoint_path(best, "best checkpoint") if best else None)
                 return Summary(
                     generation + 1, overall[0], overall[1], record.checkpoint or "", reason
                 )
@@ -432,21 +440,52 @@ class Campaign:
             crash_point("launch")
             tasks = [self._task(m) for m in pending]
             outcomes = self._launcher().run(tasks, on_start=lambda *_: crash_point("task"))
-            retry = []
+            retry, disk_full = [], None
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
+                outcome = self._check_result(m, outcome)
                 if outcome.status == "ok":
                     self._record_success(m, outcome)
                 elif m.attempts < launch.max_attempts:
                     self._record_fault(m, outcome, "retrying")
                     retry.append(m)
+                elif outcome.status == "disk_full":
+                    self._record_fault(m, outcome, "stopping the campaign")
+                    disk_full = disk_full or (m, outcome)
                 else:
                     self._record_fault(m, outcome, "replacing")
                     self._replace(m, generation)
+            if disk_full is not None:
+                self._stop_for_disk(*disk_full)
             pending = retry
         return gpu_seconds
 
+    def _stop_for_disk(self, m: MemberRecord, outcome: Outcome) -> None:
+        """A full disk is not the member's fault: clones would fail the same way. Stop, with
+        the generation uncommitted, so that a resume re-runs what did not finish."""
+        reason = outcome.detail.splitlines()[0] if outcome.detail else "the disk is full"
+        raise PbtError(
+            f"{m.member_id} failed {m.attempts} times for want of disk space ({reason}); the "
+            f"campaign stopped with generation {m.generation} uncommitted and every earlier "
+            f"checkpoint intact: free space on the disk that holds {self.dir}, then continue "
+            f"with: pbt resume {self.dir}"
+        )
+
+    def _check_result(self, m: MemberRecord, outcome: Outcome) -> Outcome:
+        """A result whose checkpoint is not the one its task named is a bad result: the
+        controller would load and later delete whatever path it gives."""
+        if outcome.status != "ok":
+            return outcome
+        named = (outcome.result or {}).get("checkpoint")
+        if named == f"checkpoints/{m.member_id}":
+            return outcome
+        detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
+        return replace(outcome, status="bad_result", detail=detail)
+
     def _task(self, m: MemberRecord) -> TaskSpec:
+        plain_name(m.member_id, f"a member id in {self.store.path}")
+        if m.parent_checkpoint:
+            self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
         task_dir = self.dir / "tasks" / m.member_id
         task_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
@@ -517,6 +556,9 @@ class Campaign:
             heartbeat_timeout_s=launch.heartbeat_timeout_s,
             task_timeout_s=launch.task_timeout_s,
             env=env,
+            memory_limit_bytes=(
+                None if launch.memory_limit_gib is None else int(launch.memory_limit_gib * 2**30)
+            ),
         )
 
     def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
@@ -570,12 +612,40 @@ class Campaign:
         self.store.record_fault(generation, m.member_id, m.attempts, "replaced", detail)
         self.say(f"  {m.member_id} {detail}")
 
+    def _checkpoint_path(self, path: str, what: str) -> Path:
+        """Where checkpoint ``path`` (relative to the campaign, from the store) lies on disk.
+
+        Raises:
+            PbtError: it would lie outside ``<campaign>/checkpoints``.
+        """
+        return inside(self.dir, path, "checkpoints", what)
+
     def _collect_garbage(self) -> None:
-        """Delete checkpoints nothing references any more (disk stays bounded)."""
+        """Delete checkpoints nothing references any more, and what writes that were cut off
+        left behind (disk stays bounded). No member runs while this does. A recorded path that
+        leads outside the checkpoints folder is forgotten, its target left alone."""
         for path in self.store.unreferenced_checkpoints():
-            shutil.rmtree(self.dir / path, ignore_errors=True)
+            try:
+                self._checkpoint_path(path, "an unreferenced checkpoint")
+            except PbtError as err:
+                self.say(f"  not deleting it: {err}")
+            else:
+                _remove(self.dir / path)
             crash_point("gc")
             self.store.forget_checkpoint(path)
+        folder = self.dir / "checkpoints"
+        if folder.is_dir() and not folder.is_symlink():
+            for leftover in folder.glob(".*"):
+                if ".tmp-" in leftover.name or ".old-" in leftover.name:
+                    _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder; a symlink is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _acquire_lock(path: Path):

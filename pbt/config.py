@@ -448,7 +448,12 @@ class RewardRef:
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
-        if not self.file.endswith(".py"):
+        if "\0" in self.file:
+            problems.append(
+                f"{prefix}.file ({self.file!r}) holds a NUL byte, which no path may; give a .py "
+                "path relative to the manifest's folder"
+            )
+        elif not self.file.endswith(".py"):
             problems.append(f"{prefix}.file ({self.file!r}) must be a .py file")
         if not self.function.isidentifier():
             problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
@@ -707,6 +712,10 @@ class BudgetConfig:
         return problems
 
 
+MIN_MEMORY_LIMIT_GIB = 0.25
+"""The lowest ``launch.memory_limit_gib``: below it not even a small member program starts."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """How member tasks are run."""
@@ -723,6 +732,11 @@ class LaunchConfig:
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: float = 300.0
     task_timeout_s: float | None = None
+    memory_limit_gib: float | None = None
+    """The most host memory (GiB) each process of a member may allocate: its heap and private
+    mappings (``RLIMIT_DATA``), not GPU memory. Past it an allocation fails, the member is
+    recorded as ``out_of_memory`` and retried or replaced, and the machine stays responsive
+    for the other members. Unset: no limit."""
     persistent_workers: bool = False
     """Keep one worker group per slot alive for the whole campaign: the base model loads once
     per slot, and the next member costs an adapter, optimizer and RNG load (megabytes), not a
@@ -742,6 +756,12 @@ class LaunchConfig:
         _positive(problems, f"{prefix}.slots", self.slots)
         _positive(problems, f"{prefix}.max_attempts", self.max_attempts)
         _positive(problems, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.memory_limit_gib is not None and self.memory_limit_gib < MIN_MEMORY_LIMIT_GIB:
+            problems.append(
+                f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) must be at least "
+                f"{MIN_MEMORY_LIMIT_GIB} GiB (a member process imports torch in about half a "
+                "GiB); raise it, or leave it unset for no limit"
+            )
         if self.gpu_ids is not None and len(self.gpu_ids) < self.slots * self.gpus_per_member:
             problems.append(
                 f"{prefix}.gpu_ids has {len(self.gpu_ids)} GPUs but slots * gpus_per_member = "
@@ -820,7 +840,7 @@ class Manifest:
                 "manifest's folder"
             )
         reward = task.reward
-        if reward is not None and reward.file.endswith(".py"):
+        if reward is not None and reward.file.endswith(".py") and "\0" not in reward.file:
             problems += reward.check_source(base, "task.reward")
         return problems
 

@@ -1,4 +1,5 @@
-"""Named crash points, for the tests that kill the controller at chosen moments.
+"""Named crash points, for the tests that kill the controller at chosen moments, and fault
+points, for the tests that make a member's writes fail as a full disk would.
 
 ``PBT_CRASH_AT=store:2`` makes the controller SIGKILL itself the second time it reaches the
 ``store`` point, exactly as a crash (or ``kill -9``) would: no cleanup, no flushing. Unset, a
@@ -9,15 +10,22 @@ crash point costs one dictionary lookup. The points:
 - ``selection``: a generation trained, its successors selected and mutated, nothing committed;
 - ``store``: inside the generation's store transaction, every row written, not committed;
 - ``gc``: one unreferenced checkpoint deleted from disk, the store not yet told.
+
+``PBT_FAULT_AT=disk_full:2`` makes the second checkpoint file this process writes fail with
+``OSError(ENOSPC)`` before a byte of it lands, as a full disk would (see
+:func:`fault_point`). Members inherit the variable from the controller.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 POINTS = ("launch", "task", "selection", "store", "gc")
+FAULTS = ("disk_full",)
 _hits: dict[str, int] = {}
+_fault_hits: dict[str, int] = {}
 
 
 def crash_point(name: str) -> None:
@@ -31,3 +39,21 @@ def crash_point(name: str) -> None:
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(name: str, path: str | os.PathLike[str]) -> None:
+    """Raise the error fault point ``name`` stands for, about to write ``path``, if
+    ``PBT_FAULT_AT`` names it and this is the chosen hit.
+
+    Raises:
+        OSError: ``disk_full``: ``ENOSPC`` (No space left on device) for ``path``.
+    """
+    spec = os.environ.get("PBT_FAULT_AT")
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _fault_hits[name] = _fault_hits.get(name, 0) + 1
+    if _fault_hits[name] == int(nth or 1):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

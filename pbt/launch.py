@@ -9,6 +9,10 @@ The protocol, all JSON files in one task directory, all written atomically:
 :class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
 the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
 rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
+
+A member that fails for want of memory or disk says so in ``fault.json`` (:mod:`pbt.faults`);
+its outcome is then ``out_of_memory`` or ``disk_full`` rather than ``failed``. With a memory
+limit, every process of a member's group starts under ``RLIMIT_DATA``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -30,13 +35,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pbt import faults
 from pbt.errors import PbtError
 
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
 LOG_TAIL_LINES = 20
 
-OutcomeStatus = Literal["ok", "failed", "timeout", "no_heartbeat", "no_result", "bad_result"]
+OutcomeStatus = Literal[
+    "ok",
+    "failed",
+    "timeout",
+    "no_heartbeat",
+    "no_result",
+    "bad_result",
+    "out_of_memory",
+    "disk_full",
+]
+STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE)
+"""A task's files from a previous attempt, removed before the next one starts."""
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
@@ -160,6 +177,10 @@ class LocalLauncher:
         poll_s: seconds between checks of the running tasks.
         base_port: slot ``i`` gets rendezvous port ``base_port + 10 * i`` (or the next free one).
         env: variables added to the inherited environment.
+        memory_limit_bytes: the most memory each process of a task may allocate
+            (``RLIMIT_DATA``: its heap and private mappings; not GPU memory, not the address
+            space CUDA reserves); past it an allocation fails and the member reports
+            ``out_of_memory``. None: no limit.
     """
 
     def __init__(
@@ -173,6 +194,7 @@ class LocalLauncher:
         poll_s: float = 0.5,
         base_port: int = 29600,
         env: dict[str, str] | None = None,
+        memory_limit_bytes: int | None = None,
     ) -> None:
         ids = list(range(slots * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
         positive = {"slots": slots, "heartbeat_timeout_s": heartbeat_timeout_s, "poll_s": poll_s}
@@ -180,6 +202,8 @@ class LocalLauncher:
         problems = [f"{key} ({value}) must be > 0" for key, value in positive.items() if value <= 0]
         if not command:
             problems.append("command is empty; give the program to run, e.g. torchrun's argv")
+        if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+            problems.append(f"memory_limit_bytes ({memory_limit_bytes}) must be > 0 or None")
         if gpus_per_member < 0:
             problems.append(f"gpus_per_member ({gpus_per_member}) must be >= 0")
         elif len(set(ids)) != len(ids) or len(ids) < slots * gpus_per_member:
@@ -192,6 +216,7 @@ class LocalLauncher:
         self.command, self.slots, self.gpus_per_member = list(command), slots, gpus_per_member
         self.heartbeat_timeout_s, self.task_timeout_s = heartbeat_timeout_s, task_timeout_s
         self.poll_s, self.base_port, self.env = poll_s, base_port, dict(env or {})
+        self.memory_limit_bytes = memory_limit_bytes
         self.slot_gpus = [
             ",".join(str(g) for g in ids[i * gpus_per_member : (i + 1) * gpus_per_member])
             for i in range(slots)
@@ -257,7 +282,7 @@ class LocalLauncher:
     def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
         """Clear the previous attempt's files and start the task's process group."""
         task_dir = Path(task.task_dir)
-        for stale in ("result.json", "heartbeat"):
+        for stale in STALE_FILES:
             (task_dir / stale).unlink(missing_ok=True)
         port = self._pick_port(slot, taken_ports)
         proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
@@ -275,6 +300,7 @@ class LocalLauncher:
         env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        limit = self.memory_limit_bytes
         with open(log_path, "wb") as log:
             return subprocess.Popen(
                 [*argv, *tail],
@@ -283,6 +309,7 @@ class LocalLauncher:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=None if limit is None else _memory_limiter(limit),
             )
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
@@ -299,7 +326,10 @@ class LocalLauncher:
         returncode = item.proc.poll()
         if returncode is not None:
             _kill_groups([item.proc])  # stragglers the leader left behind
-            return self._outcome(item, returncode, *_classify_exit(item.task.task_dir, returncode))
+            status, result, detail = _classify_exit(item.task.task_dir, returncode)
+            if status == "failed":
+                status, detail = _fault(item.task, detail, Path(item.task.log_path))
+            return self._outcome(item, returncode, status, result, detail)
         overdue = self._overdue(item)
         if overdue is None:
             return None
@@ -386,7 +416,7 @@ class PersistentLauncher(LocalLauncher):
 
     def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
         task_dir = Path(task.task_dir)
-        for stale in ("result.json", "heartbeat"):
+        for stale in STALE_FILES:
             (task_dir / stale).unlink(missing_ok=True)
         worker = self._workers.get(slot)
         if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
@@ -430,7 +460,9 @@ class PersistentLauncher(LocalLauncher):
                 return self._outcome(
                     item, 0, "no_result", None, "the worker exited 0 without finishing the task"
                 )
-            return self._outcome(item, returncode, "failed", None, _describe_exit(returncode))
+            log = self._folder(item.slot) / "worker.log"
+            status, detail = _fault(item.task, _describe_exit(returncode), log)
+            return self._outcome(item, returncode, status, None, detail)
         overdue = self._overdue(item)
         if overdue is None:
             return None
@@ -486,6 +518,29 @@ def _classify_exit(
     if result.get("status") != "ok":
         return "bad_result", result, f"result status is {result.get('status')!r}, not 'ok'"
     return "ok", result, "exit code 0"
+
+
+def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
+    """``out_of_memory`` or ``disk_full`` with the member's own message, when the member that
+    failed reported one of them (or its log ends in a MemoryError); else ``failed``."""
+    fault = faults.read(task.task_dir, _log_tail(Path(task.log_path)) or _log_tail(log))
+    if fault is None:
+        return "failed", detail
+    kind, message = fault
+    return kind, f"{message}; {detail}"
+
+
+def _memory_limiter(limit: int) -> Callable[[], None]:
+    """What the child runs before exec: cap its data segment (inherited by every process it
+    starts) at ``limit`` bytes, or the hard limit if that is lower."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return apply
 
 
 def _port_is_free(port: int) -> bool:

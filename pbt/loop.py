@@ -28,6 +28,7 @@ from pbt import __version__
 from pbt.errors import ConfigError, PbtError
 from pbt.launch import read_json, write_json_atomic
 from pbt.library import Agent, Population
+from pbt.paths import inside, plain_name
 from pbt.population import MemberRecord, rng_from_json, rng_to_json
 
 STATE_FILE = "population.json"
@@ -242,11 +243,13 @@ class _Run:
             self.pop.remove(agent)
         agents = []
         for entry in state["members"]:
-            record = MemberRecord(member_id=entry["member_id"], generation=state["generation"])
+            member_id = plain_name(entry["member_id"], f"a member id in {self.out / STATE_FILE}")
+            record = MemberRecord(member_id=member_id, generation=state["generation"])
             agent = Agent(self.pop, record)
             self.pop.agents.append(agent)
             try:
-                agent.load_checkpoint(self.out / entry["checkpoint"])
+                what = f"a checkpoint named in {self.out / STATE_FILE}"
+                agent.load_checkpoint(inside(self.out, entry["checkpoint"], "checkpoints", what))
             except PbtError as err:
                 raise PbtError(f"cannot resume from {self.out}: {err}") from None
             agent.is_elite = bool(entry["is_elite"])

@@ -28,6 +28,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -62,6 +63,8 @@ _REFUSED = frozenset(
     {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE"}
 )
 _STOPPED = object()
+_COPY_NAME = re.compile(r"[0-9a-f]{32}")
+"""An artifact copy's folder name: ``uuid4().hex``."""
 
 
 def default_uri(directory: Path | str) -> str:
@@ -191,9 +194,22 @@ class _Journal:
             self._write(SENT_FILE, {"lines": self.sent_lines, "offset": self.sent_offset})
             self.lock.notify_all()
         for entry in entries:
-            if entry.event.get("op") == "artifact":
-                shutil.rmtree(self.artifacts / str(entry.event.get("copy")), ignore_errors=True)
+            copy = self.copy_path(entry.event)
+            if copy is not None:
+                shutil.rmtree(copy.parent, ignore_errors=True)
         return emptied
+
+    def copy_path(self, event: dict[str, Any]) -> Path | None:
+        """The file or folder an ``artifact`` event's copy is, under ``artifacts/``; None for
+        any other event, or one whose names would lead elsewhere (an altered journal): the
+        journal never makes the tracker read or delete outside its folder."""
+        copy, name = event.get("copy"), event.get("name")
+        if event.get("op") != "artifact" or not isinstance(copy, str) or not isinstance(name, str):
+            return None
+        if not _COPY_NAME.fullmatch(copy) or name in ("", ".", "..") or "/" in name:
+            _LOG.warning("journal event names an artifact outside %s; ignored", self.artifacts)
+            return None
+        return self.artifacts / copy / name
 
     def _write(self, name: str, obj: dict[str, Any]) -> None:
         """Replace a state file; a failure only costs a longer replay, so it is not raised."""
@@ -635,7 +651,9 @@ class Tracker:
         elif op == "end":
             client.set_terminated(run_id, event["status"], end_time=event["t"])
         elif op == "artifact":
-            local = self._journal.artifacts / event["copy"] / event["name"]
+            local = self._journal.copy_path(event)
+            if local is None:
+                raise ValueError(f"journal event {event} names no copy in the journal's folder")
             if not local.exists():  # not OSError: retrying can't bring it back
                 raise ValueError(f"the journal's copy {local} is gone")
             client.log_artifact(run_id, str(local), event["artifact_path"])

@@ -8,7 +8,9 @@ checkpoint (or none: the base model), the hyperparameters, the steps to train an
 worker loads the parent checkpoint and only THEN applies the hyperparameters, so a mutated lr
 lands in the optimizer's param groups with Adam's moments and the schedule's position kept. It
 trains, evaluates, saves a gathered checkpoint and writes ``result.json`` (rank 0, atomically),
-heartbeating all the while.
+heartbeating all the while. It loads and saves checkpoints only inside the campaign's
+``checkpoints`` folder. A task that fails for want of memory or disk space is reported as such
+in ``fault.json`` (:mod:`pbt.faults`) before the worker exits 2.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+from pbt import faults
 from pbt.errors import PbtError
 from pbt.launch import Heartbeat, read_json, write_json_atomic
 from pbt.manifest import manifest_from_dict
+from pbt.paths import inside
 from pbt.population import member_seed
 
 
@@ -41,6 +46,10 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     from pbt.distributed import pick_device, world_info
 
     campaign = Path(task["campaign_dir"])
+    checkpoint = inside(campaign, task["checkpoint"], "checkpoints", "the task's checkpoint")
+    parent = task["parent_checkpoint"]
+    if parent:
+        parent = inside(campaign, parent, "checkpoints", "the task's parent checkpoint")
     manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
     world = world_info()
     device = pick_device(manifest.training.device, world.local_rank)
@@ -49,8 +58,8 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     else:
         host = Host(manifest, device)
     member = Member(manifest, device, task["member_id"], host=host)
-    if task["parent_checkpoint"]:
-        member.load(campaign / task["parent_checkpoint"])
+    if parent:
+        member.load(parent)
     member.learner.apply_hyperparameters(task["hyperparameters"])
     seed = member_seed(manifest.training.seed, task["member_id"])
     seed_everything(seed + world.rank)
@@ -67,7 +76,7 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
         member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
     )
     member.fitness.append(fitness)
-    digest = member.save(campaign / task["checkpoint"])
+    digest = member.save(checkpoint)
     if host.engine is not None:
         host.engine.forget(member.member_id)
     result = {
@@ -122,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     with Heartbeat(task_path.parent / "heartbeat") if rank == 0 else contextlib.nullcontext():
         try:
             result, _ = run_task(task)
-        except PbtError as err:
-            print(f"error: {err}", file=sys.stderr)
+        except BaseException as err:
+            if not _failed(task_path.parent, err):
+                raise
             return 2
         finally:
             shutdown()
@@ -159,13 +169,27 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.1) -> i
             with beat or contextlib.nullcontext(), _output_to(entry["log"], rank == 0):
                 try:
                     result, host = run_task(task, host)
-                except PbtError as err:
-                    print(f"error: {err}", file=sys.stderr)
+                except BaseException as err:
+                    if not _failed(task_path.parent, err):
+                        raise
                     return 2
                 if rank == 0:
                     write_json_atomic(task_path.parent / "result.json", result)
     finally:
         shutdown()
+
+
+def _failed(task_dir: Path, err: BaseException) -> bool:
+    """Say why the task failed, and whether that was expected: a user's error (its message
+    only) or a fault of a known kind (reported in ``fault.json``, with its traceback). Other
+    errors are bugs, left to propagate."""
+    kind = faults.report(task_dir, err)
+    if isinstance(err, PbtError):
+        print(f"error: {err}", file=sys.stderr)
+    elif kind is not None:
+        traceback.print_exc()
+        print(f"error: {kind.replace('_', ' ')}: {err}", file=sys.stderr)
+    return kind is not None or isinstance(err, PbtError)
 
 
 def _next_entry(

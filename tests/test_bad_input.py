@@ -148,6 +148,14 @@ CASES: dict[str, tuple[dict, str, str, str]] = {
         {"task": {"reward": {"file": "broken.py", "function": "f"}}},
         "task.reward.file", "'broken.py'", "fix the file",
     ),
+    "reward file with a NUL byte": (
+        {"task": {"reward": {"file": "rewards\0.py", "function": "f"}}},
+        "task.reward.file", "'rewards\\x00.py'", "holds a NUL byte",
+    ),
+    "memory limit too low": (
+        {"launch": {"memory_limit_gib": 0.1}}, "launch.memory_limit_gib", "(0.1)",
+        "leave it unset for no limit",
+    ),
     # INIT_HP
     "INIT_HP not a mapping": ({"INIT_HP": 5}, "INIT_HP", "got 5", "{LR: 1e-5, GROUP_SIZE: 8}"),
     "INIT_HP unknown key": ({"INIT_HP": {"LRR": 1e-3}}, "INIT_HP.LRR", "LRR", "'LR'"),

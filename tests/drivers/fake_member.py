@@ -4,6 +4,13 @@ Reads task.json like the real worker, "trains" by a formula (fitness = the paren
 plus a gain that peaks at lr = 3e-3), writes a checkpoint folder and result.json, and can be
 told to misbehave per member and attempt through `<campaign>/faults.json`:
 `{"g001-m01": ["exit1", "ok"]}` makes the first attempt exit 1 and the second succeed.
+
+`foreign_result` names a checkpoint outside the campaign in its result. `oom` allocates until
+an allocation fails (under `launch.memory_limit_gib`; it gives up after
+`FAKE_MEMBER_ALLOCATE_GIB`, default 4, without one); `disk_full` makes the checkpoint write
+fail with ENOSPC through `PBT_FAULT_AT`. Both are reported as the real worker reports them
+(`pbt.faults`). With `FAKE_MEMBER_CHECKPOINT=real` the checkpoint is a real one
+(`pbt.algorithms.checkpoint`, a tensor and the state), written and read as members do.
 """
 
 import json
@@ -14,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from pbt import faults
 from pbt.launch import Heartbeat, read_json, write_json_atomic
+
+REAL_CHECKPOINT = os.environ.get("FAKE_MEMBER_CHECKPOINT") == "real"
 
 
 def main() -> None:
@@ -33,16 +43,25 @@ def main() -> None:
             sys.exit(1)
         if behaviour == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        parent = {"fitness": 0.0, "steps": 0}
-        if task["parent_checkpoint"]:
-            parent = json.loads((campaign / task["parent_checkpoint"] / "state.json").read_text())
-        lr = task["hyperparameters"]["lr"]
-        gain = 1.0 - abs(math.log10(lr) - math.log10(3e-3))
-        fitness = parent["fitness"] + gain
-        steps = parent.get("steps", 0) + task["steps"]
-        ckpt = campaign / task["checkpoint"]
-        ckpt.mkdir(parents=True, exist_ok=True)
-        (ckpt / "state.json").write_text(json.dumps({"fitness": fitness, "lr": lr, "steps": steps}))
+        if behaviour == "disk_full":
+            os.environ["PBT_FAULT_AT"] = "disk_full:1"
+        try:
+            if behaviour == "oom":
+                allocate(float(os.environ.get("FAKE_MEMBER_ALLOCATE_GIB", "4")))
+            parent = {"fitness": 0.0, "steps": 0}
+            if task["parent_checkpoint"]:
+                parent = load_state(campaign / task["parent_checkpoint"])
+            lr = task["hyperparameters"]["lr"]
+            gain = 1.0 - abs(math.log10(lr) - math.log10(3e-3))
+            fitness = parent["fitness"] + gain
+            steps = parent.get("steps", 0) + task["steps"]
+            state = {"fitness": fitness, "lr": lr, "steps": steps}
+            digest = save_state(campaign / task["checkpoint"], state) or f"fake-{member}"
+        except BaseException as err:
+            if faults.report(task_path.parent, err) is None:
+                raise
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
         history = [
             {"step": step, "reward_mean": parent["fitness"] + gain * i / task["steps"], "lr": lr}
             for i, step in enumerate(range(steps - task["steps"] + 1, steps + 1), start=1)
@@ -52,12 +71,44 @@ def main() -> None:
             "fitness": fitness,
             "steps": steps,
             "checkpoint": task["checkpoint"],
-            "digest": f"fake-{member}",
+            "digest": digest,
             "metrics": history[-1],
             "history": history,
         }
+    if behaviour == "foreign_result":  # a result that names a path outside the campaign
+        result["checkpoint"] = "checkpoints/../../outside"
     if behaviour != "no_result":
         write_json_atomic(task_path.parent / "result.json", result)
+
+
+def allocate(most_gib: float) -> None:
+    """Hold ever more memory, 64 MiB at a time, until an allocation fails or ``most_gib``."""
+    held = []
+    while len(held) * 64 < most_gib * 1024:
+        held.append(bytearray(64 << 20))
+
+
+def save_state(ckpt: Path, state: dict) -> str | None:
+    """Write the checkpoint; the real one's digest."""
+    if not REAL_CHECKPOINT:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "state.json").write_text(json.dumps(state))
+        return None
+    import torch
+
+    from pbt.algorithms.checkpoint import save_checkpoint
+
+    weight = torch.full((2, 2), float(state["fitness"]))
+    attributes = {"trainable": {"base_model.fake.lora_A.weight": weight}, "state": state}
+    return save_checkpoint(ckpt, attributes, {"peft_type": "LORA"})
+
+
+def load_state(ckpt: Path) -> dict:
+    if not REAL_CHECKPOINT:
+        return json.loads((ckpt / "state.json").read_text())
+    from pbt.algorithms.checkpoint import load_checkpoint
+
+    return load_checkpoint(ckpt)["state"]
 
 
 if __name__ == "__main__":
