@@ -3,10 +3,12 @@ lock, retries, replacement and garbage collection, in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,14 +136,50 @@ def test_a_hung_member_is_detected_by_its_heartbeat(tmp_path):
 
 
 def test_checkpoints_on_disk_stay_bounded(tmp_path):
-    _run(_manifest(tmp_path, budget={"generations": 8}), tmp_path / "c")
-    on_disk = sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir())
-    with CampaignStore(tmp_path / "c" / "store.db") as store:
+    """Over 12 generations, the checkpoint folders on disk never exceed population (4) + elites
+    (1) + in flight (4): counted after every generation's garbage collection (between
+    generations, only the parents and the best are left), and sampled every few milliseconds
+    all along."""
+    directory = tmp_path / "c"
+    campaign = Campaign.start(
+        _manifest(tmp_path, budget={"generations": 12}), directory, member_command=FAKE
+    )
+    folder = directory / "checkpoints"
+    after_gc: list[int] = []
+
+    def count() -> int:
+        return len(list(folder.iterdir())) if folder.exists() else 0
+
+    def say(line: str) -> None:  # "generation N: training" follows generation N-1's collection
+        if line.startswith("generation ") and ": training" in line:
+            after_gc.append(count())
+
+    samples: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            with contextlib.suppress(FileNotFoundError):
+                samples.append(count())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    campaign.say = say
+    try:
+        campaign.run()
+    finally:
+        campaign.close()
+        done.set()
+        sampler.join()
+    after_gc.append(count())
+    assert len(after_gc) == 13 and len(samples) > 100
+    bound = 4 + 1 + 4
+    assert max(after_gc) <= bound and max(samples) <= bound, (after_gc, max(samples))
+    assert max(after_gc[1:-1]) <= 4 + 1, after_gc  # between generations: the parents and the best
+    on_disk = sorted(p.name for p in folder.iterdir())
+    with CampaignStore(directory / "store.db") as store:
         best = store.best()
-        latest = {m.checkpoint for m in store.members(7)} | {
-            m.parent_checkpoint for m in store.members(7)
-        }
-    assert len(on_disk) <= 2 * 4 + 1, on_disk
+        latest = {m.checkpoint for m in store.members(11)}
     assert {Path(p).name for p in latest if p} <= set(on_disk)
     assert best[0] in on_disk
 
