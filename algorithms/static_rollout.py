@@ -39,6 +39,8 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks that every row has ended."""
 LENGTH_BUCKET = 64
 """Cache lengths are rounded up to a multiple of this."""
+KEPT_SHAPES = 4
+"""Batch shapes whose cache and graph a decoder keeps; the least recently used goes first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +177,15 @@ class StaticDecoder:
         batch, width = prompt_ids.shape
         length = -(-(width + max_new_tokens) // LENGTH_BUCKET) * LENGTH_BUCKET
         key = (batch, length, max_new_tokens, sampling, autocast_dtype)
-        state = self._states.get(key)
+        state = self._states.pop(key, None)
         with self._context(autocast_dtype):
             if state is None:
-                state = self._states[key] = _State(
-                    self.model, batch, length, max_new_tokens, self.device
-                )
+                while len(self._states) >= KEPT_SHAPES:  # free the oldest cache and graph
+                    self._states.pop(next(iter(self._states)))
+                state = _State(self.model, batch, length, max_new_tokens, self.device)
                 if self.cuda_graphs:
                     self._capture(state, sampling)
+            self._states[key] = state  # the most recently used, last
             state.cache.reset()
             self._prefill(state, prompt_ids, prompt_mask, sampling, temperature, min_new_tokens)
             steps = 1

@@ -181,3 +181,20 @@ def test_grpo_member_learns_with_static_rollouts(tmp_path):
     after = learner.evaluate(task.eval, task.reward_fn)
     assert after > before + 0.15, (before, after)
     assert learner.model.pbt_static_decoder is not None  # the static path really ran
+
+
+def test_a_decoder_keeps_a_bounded_number_of_shapes(member):
+    """Every batch shape gets its own cache (and graph on GPU); past ``KEPT_SHAPES`` the least
+    recently used is dropped, and a shape met again is rebuilt with the same output."""
+    from pbt.algorithms import static_rollout
+
+    _randomise(member, 4)
+    learner = member.learner
+    cfg = dataclasses.replace(learner.rollout_cfg, engine="static", max_output_tokens=4)
+    first = generate(learner.model, learner.tokenizer, QUESTIONS[:1], cfg, greedy=True)
+    for rows in range(2, static_rollout.KEPT_SHAPES + 3):
+        generate(learner.model, learner.tokenizer, QUESTIONS[:1] * rows, cfg, greedy=True)
+    decoder = learner.model.pbt_static_decoder
+    assert len(decoder._states) == static_rollout.KEPT_SHAPES
+    again = generate(learner.model, learner.tokenizer, QUESTIONS[:1], cfg, greedy=True)
+    assert torch.equal(first.completion_ids, again.completion_ids)
