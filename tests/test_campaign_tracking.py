@@ -53,7 +53,7 @@ def _members(directory: Path):
         return store.members()
 
 
-def _check_everything_arrived(uri: str, directory: Path) -> None:
+def _check_everything_arrived(uri: str, directory: Path, generations: int = 3) -> None:
     client = _client(uri)
     runs = _campaign_runs(uri, directory)
     members = _members(directory)
@@ -62,7 +62,7 @@ def _check_everything_arrived(uri: str, directory: Path) -> None:
     assert parent.data.params["training.seed"] == "11"
     assert parent.data.params["population.size"] == "3" and "version" in parent.data.params
     assert set(runs) == {m.member_id for m in members}
-    for generation in range(3):
+    for generation in range(generations):
         slots = [m for m in members if m.generation == generation]
         for m in slots:
             run = runs[m.member_id]
@@ -80,10 +80,10 @@ def _check_everything_arrived(uri: str, directory: Path) -> None:
     # per generation on the campaign run: every slot's fitness and hyperparameters by step
     for slot in ("m00", "m01", "m02"):
         history = client.get_metric_history(parent.info.run_id, f"{slot}.lr")
-        assert [x.step for x in history] == [0, 1, 2]
+        assert [x.step for x in history] == list(range(generations))
         assert [x.step for x in client.get_metric_history(parent.info.run_id, f"{slot}.fitness")]
     best = client.get_metric_history(parent.info.run_id, "best_fitness")
-    assert [x.step for x in best] == [0, 1, 2]
+    assert [x.step for x in best] == list(range(generations))
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"manifest.yaml", "plots"} <= artifacts
     plots = {a.path for a in client.list_artifacts(parent.info.run_id, "plots")}
@@ -122,6 +122,45 @@ def test_campaign_survives_a_tracking_outage(tmp_path, server):
     server.start()
     assert proc.wait(timeout=180) == 0
     _check_everything_arrived(server.uri, directory)
+
+
+def _committed(directory: Path) -> int:
+    """The campaign's last committed generation; -1 before generation 0 is."""
+    if not (directory / "store.db").exists():
+        return -1
+    with CampaignStore(directory / "store.db") as store:
+        last = store.last_committed_generation()
+    return -1 if last is None else last
+
+
+OUTAGE_S = 62.0
+MEMBER_S = 15.0
+
+
+def test_campaign_survives_a_minute_long_tracking_outage(tmp_path, server):
+    """The server is down for over a minute, from the end of generation 0: the campaign trains
+    on without waiting (three or more generations commit while nothing answers), and once the
+    server is back every run, tag and metric arrives."""
+    directory = tmp_path / "c"
+    manifest = _manifest(tmp_path, tracking={"uri": server.uri}, budget={"generations": 7})
+    proc = start_campaign(manifest, directory, FAKE, MEMBER_S, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while _committed(directory) < 0:  # until generation 0 is committed
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    server.stop()
+    down = time.monotonic()
+    time.sleep(OUTAGE_S)
+    during = _committed(directory)
+    assert proc.poll() is None, "the campaign stopped, or finished, while the server was down"
+    server.start()
+    downtime = time.monotonic() - down
+    assert downtime >= 60.0
+    # a generation takes MEMBER_S seconds of training: a controller waiting on the server
+    # would have committed fewer
+    assert during >= 3, f"{during} generations committed in {downtime:.0f} s of outage"
+    assert proc.wait(timeout=300) == 0
+    _check_everything_arrived(server.uri, directory, generations=7)
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
