@@ -358,9 +358,9 @@ def test_interrupt_kills_every_running_task(fake_member: Path, tmp_path: Path) -
 
 def test_bad_arguments_are_reported_together() -> None:
     with pytest.raises(ValueError) as err:
-        LocalLauncher([], slots=0, gpus_per_member=2, gpu_ids=[0], poll_s=0)
+        LocalLauncher([], slots=0, gpus_per_member=2, gpu_ids=[0], poll_s=0, memory_limit_bytes=0)
     message = str(err.value)
-    for needle in ("command is empty", "slots (0)", "poll_s (0)"):
+    for needle in ("command is empty", "slots (0)", "poll_s (0)", "memory_limit_bytes (0)"):
         assert needle in message
     with pytest.raises(ValueError, match="gpu_ids"):
         LocalLauncher(["x"], slots=2, gpus_per_member=2, gpu_ids=[0, 1, 2])

@@ -225,6 +225,24 @@ def test_a_member_over_its_memory_limit_is_retried_then_replaced(tmp_path, monke
     assert "out_of_memory: MemoryError" in text
 
 
+def test_what_a_killed_write_left_behind_is_collected(tmp_path):
+    """A member killed mid-write leaves its temporary folder (and a replaced checkpoint being
+    removed); the controller deletes both before the next generation, and only those."""
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 1})
+    campaign = Campaign.start(manifest, tmp_path / "c", member_command=FAKE)
+    folder = tmp_path / "c" / "checkpoints"
+    for name in (".g000-m00.tmp-0a1b2c3d", ".g000-m01.old-0a1b2c3d"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "attributes.pt").write_bytes(b"half a checkpoint")
+    (folder / ".keep").write_text("not a checkpoint write's\n")
+    campaign.say = lambda *_: None
+    try:
+        campaign.run()
+    finally:
+        campaign.close()
+    assert sorted(p.name for p in folder.iterdir()) == [".keep", "g000-m00", "g000-m01", "g000-m02"]
+
+
 REAL_MEMBER = {
     "model": {"name": "builtin:tiny"},
     "algorithm": {"group_size": 4, "prompts_per_step": 2},
