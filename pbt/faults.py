@@ -6,7 +6,8 @@ CUDA's or the CPU allocator's out-of-memory errors) or of disk space (``ENOSPC``
 its task folder before it exits non-zero. The launcher reads it back, so the campaign records
 ``out_of_memory`` or ``disk_full`` with the member's own message rather than a bare exit code.
 A process that ran out of memory before it could write the file (torchrun's agent, or an import)
-is recognised by the last line of its log, Python's ``MemoryError``.
+is recognised by the last line of its log, Python's ``MemoryError``; one that could not write the
+file because the disk is full, by the error it printed last.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
 _OOM_LAST_LINE = re.compile(r"^([\w.]+\.)?(MemoryError|OutOfMemoryError)\b")
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((ENOSPC|EDQUOT)\b")
 
 
 def classify(err: BaseException) -> FaultKind | None:
@@ -67,7 +69,8 @@ def report(task_dir: str | Path, err: BaseException) -> FaultKind | None:
 def read(task_dir: str | Path, log_tail: str = "") -> tuple[FaultKind, str] | None:
     """The fault a failed member reported, as (kind, message), or None.
 
-    ``fault.json`` first; else a log whose last line is a ``MemoryError``.
+    ``fault.json`` first; else a log whose last line is a ``MemoryError``, or whose last lines
+    say the disk is full.
     """
     from pbt.launch import read_json
 
@@ -77,4 +80,7 @@ def read(task_dir: str | Path, log_tail: str = "") -> tuple[FaultKind, str] | No
     lines = log_tail.strip().splitlines()
     if lines and _OOM_LAST_LINE.match(lines[-1]):
         return "out_of_memory", lines[-1]
+    full = [line for line in lines if _DISK_FULL_TEXT.search(line)]
+    if full:
+        return "disk_full", full[-1]
     return None

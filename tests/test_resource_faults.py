@@ -138,6 +138,9 @@ def test_member_faults_are_classified_by_kind(tmp_path):
     (tmp_path / faults.FAULT_FILE).unlink()
     assert faults.read(tmp_path, "Traceback ...\n  File x\nMemoryError\n")[0] == "out_of_memory"
     assert faults.read(tmp_path, "Traceback ...\nValueError: MemoryError\n") is None
+    # with the disk too full for fault.json, the member's last words still say so
+    printed = "error: checkpoint c was not written: the disk is full (ENOSPC: No space left ...)"
+    assert faults.read(tmp_path, f"step 3\n{printed}\n") == ("disk_full", printed)
 
 
 def _decisions(directory: Path) -> list[tuple]:
