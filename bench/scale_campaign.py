@@ -139,19 +139,27 @@ def run_campaign(manifest: Path, directory: Path) -> Any:
         campaign.close()
 
 
-def check_placement(directory: Path, members: list[Any], ranks: int) -> list[tuple[str, bool, str]]:
-    """Per generation: the members' runs overlap, their GPU sets are disjoint, and each ran as
-    a group of ``ranks``."""
+def check_placement(
+    directory: Path, members: list[Any], ranks: int, gpus_per_member: int
+) -> list[tuple[str, bool, str]]:
+    """Per generation: the members' runs overlap, each had ``gpus_per_member`` GPUs of its own
+    (disjoint sets), and each ran as a group of ``ranks``."""
     checks = []
     for generation in sorted({m.generation for m in members}):
         group = [m for m in members if m.generation == generation]
         placed = {}
         for m in group:
             task = directory / "tasks" / m.member_id
-            record = json.loads((task / "placement.json").read_text())
-            result = json.loads((task / "result.json").read_text())
+            try:
+                record = json.loads((task / "placement.json").read_text())
+                result = json.loads((task / "result.json").read_text())
+            except (OSError, ValueError) as err:
+                checks.append((f"generation {generation}: {m.member_id} trained", False, str(err)))
+                continue
             gpus = record["cuda_visible_devices"] or ""
             placed[m.member_id] = (record, {g for g in gpus.split(",") if g}, result["world_size"])
+        if not placed:
+            continue
         latest_start = max(r["started"] for r, _, _ in placed.values())
         earliest_end = min(r["ended"] for r, _, _ in placed.values())
         overlap = earliest_end - latest_start
@@ -161,6 +169,7 @@ def check_placement(directory: Path, members: list[Any], ranks: int) -> list[tup
         sets = [s for _, s, _ in placed.values()]
         disjoint = all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1 :])
         where = "; ".join(f"{k}: {sorted(s) or 'cpu'}" for k, (_, s, _) in placed.items())
+        disjoint = disjoint and all(len(gpus) == gpus_per_member for gpus in sets)
         checks.append((f"generation {generation}: GPU sets disjoint", disjoint, where))
         sizes = {k: w for k, (_, _, w) in placed.items()}
         good = all(w == ranks for w in sizes.values())
@@ -272,6 +281,13 @@ def drive(args: argparse.Namespace) -> int:
     """Build, run, check; print the checks; exit 1 unless every check passed."""
     from pbt.store import CampaignStore
 
+    if (args.dir / "campaign").exists():
+        print(
+            f"{args.dir / 'campaign'} exists: give a new --dir (the model folder is reused "
+            "from a --dir that holds one)",
+            file=sys.stderr,
+        )
+        return 2
     args.dir.mkdir(parents=True, exist_ok=True)
     manifest = write_manifest(args, model_folder(args.shape, args.dir))
     start = time.perf_counter()
@@ -280,7 +296,7 @@ def drive(args: argparse.Namespace) -> int:
     ranks = args.gpus_per_member or args.ranks
     with CampaignStore(args.dir / "campaign" / "store.db") as store:
         members = [m for m in store.members() if m.status == "done"]
-        checks = check_placement(args.dir / "campaign", members, ranks)
+        checks = check_placement(args.dir / "campaign", members, ranks, args.gpus_per_member)
         checks += check_evolution(store)
     checks += check_load(args.dir / "campaign", summary.best_member, args.load_ranks)
     print(

@@ -225,6 +225,17 @@ def fingerprint(model) -> list[float]:
     return sums
 
 
+def probe(model, vocab: int, device) -> float:
+    """Mean absolute logit on a fixed input (the same on every rank): equal whatever the world
+    size when every rank computes with the seeded weights, not with what ``to_empty`` left."""
+    import torch
+
+    ids = (torch.arange(32, device=device).reshape(2, 16) * 7919) % vocab
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return float(logits.double().abs().mean())
+
+
 def shares(model) -> tuple[int, int]:
     """``(elements this rank holds, elements of the whole model)``."""
     held = total = 0
@@ -343,8 +354,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     init_buffers(model, device)
     build_s = time.perf_counter() - start
     held, total = shares(model)
+    model_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     built_peak = peak_memory_gib(device)
     prints = all_gather_objects(fingerprint(model))
+    first_logits = probe(model, config.vocab_size, device)
     algo = AlgorithmConfig(
         group_size=args.group,
         prompts_per_step=args.seqs * world.world_size // args.group,
@@ -371,10 +384,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": world.world_size,
         "parameters": total,
+        "model_gib": model_gib,
         "trainable": sum(p.numel() for _, p in learner.named_params),
         "held_per_rank": [r["held"] for r in per_rank],
         "build_s": build_s,
         "fingerprint": [sum(x) for x in zip(*prints, strict=True)],
+        "probe": first_logits,
         "tokens_per_step": tokens,
         "step_s": step_s,
         "tok_s": tokens / step_s,
@@ -398,6 +413,7 @@ def table(r: dict[str, Any]) -> str:
         ("tokens per step (all ranks)", r["tokens_per_step"]),
         ("s per GRPO learn step", f"{r['step_s']:.3f}"),
         ("tok/s (all ranks)", f"{r['tok_s']:,.0f}"),
+        ("whole model, GiB (no rank holds it)", f"{r['model_gib']:.2f}"),
         (f"{r['memory']} after build, GiB (max rank)", f"{max(r['built_peak_gib']):.2f}"),
         (f"{r['memory']} in training, GiB (max rank)", f"{max(r['train_peak_gib']):.2f}"),
         ("checkpoint gather s", f"{r['gather_s']:.2f}"),
@@ -444,11 +460,22 @@ def report(result: dict[str, Any], json_path: Path | None) -> None:
         json_path.write_text(json.dumps(result, indent=2))
 
 
+def default_ranks(device: str) -> int:
+    """Every visible GPU, or two CPU ranks."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="32b")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--nproc", type=int, help="launch a group of this many ranks")
+    parser.add_argument(
+        "--nproc", type=int, help="launch a group of this many ranks (default: every GPU, or 2)"
+    )
     parser.add_argument("--seqs", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--micro", type=int, default=4, help="sequences per forward pass")
@@ -469,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
         if args.nproc is None:
-            args.nproc = 2
+            args.nproc = default_ranks(args.device)
         forwarded = [a for a in argv if not a.startswith("--nproc")]
         if "--nproc" in argv:
             i = argv.index("--nproc")

@@ -58,6 +58,8 @@ def test_weights_do_not_depend_on_the_world_size(two_ranks: dict, tmp_path: Path
     for a, b in zip(one["fingerprint"], two_ranks["fingerprint"], strict=True):
         assert a == pytest.approx(b, rel=1e-9)
     assert one["fingerprint"][1] > 0  # a non-trivial init: the sum of squares
+    # the sharded forward computes with those weights, not with what to_empty left behind
+    assert one["probe"] == pytest.approx(two_ranks["probe"], rel=1e-5) and one["probe"] > 0
 
 
 def test_two_sharded_members_side_by_side_campaign(tmp_path: Path):
