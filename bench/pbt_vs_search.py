@@ -403,7 +403,10 @@ def plot_reward_vs_compute(curves: list[Curve], target: float, path: Path) -> Pa
             ax.step(c.steps, c.reward, where="post", color=colors[strategy], alpha=0.25, lw=0.8)
         grid = sorted({x for c in mine for x in c.steps})
         mean = [statistics.fmean(_at(c, x) for c in mine) for x in grid]
-        ax.step(grid, mean, where="post", color=colors[strategy], lw=2, label=strategy)
+        style = "--" if strategy == "random" else "-"  # random and tpe often overlap
+        ax.step(
+            grid, mean, style, where="post", color=colors[strategy], lw=2, label=strategy, zorder=3
+        )
     ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:g}")
     ax.set_xlabel("compute: member training steps")
     ax.set_ylabel("best held-out reward so far")
