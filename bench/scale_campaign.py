@@ -56,7 +56,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         dtype="bfloat16",
     ),
-    # the built-in tiny model's shape
+    # the built-in tiny model itself (see model_folder)
     "tiny": {},
 }
 CPU_SECTIONS: dict[str, dict[str, Any]] = {
@@ -70,9 +70,12 @@ CPU_SECTIONS: dict[str, dict[str, Any]] = {
 
 
 def model_folder(shape: str, work: Path) -> Path:
-    """The random-weight model folder of ``shape`` under ``work``, built once."""
-    from pbt.algorithms.tiny import build_shaped_model
+    """The random-weight model folder of ``shape`` under ``work``, built once; the built-in
+    tiny model's own folder for ``tiny``."""
+    from pbt.algorithms.tiny import build_shaped_model, tiny_model_dir
 
+    if shape == "tiny":
+        return tiny_model_dir()
     folder = work / f"model-{shape}"
     if not (folder / "config.json").is_file():
         start = time.perf_counter()
@@ -155,6 +158,11 @@ def check_placement(
                 result = json.loads((task / "result.json").read_text())
             except (OSError, ValueError) as err:
                 checks.append((f"generation {generation}: {m.member_id} trained", False, str(err)))
+                continue
+            if "ended" not in record:  # its last attempt was killed
+                checks.append(
+                    (f"generation {generation}: {m.member_id} trained", False, m.mutation)
+                )
                 continue
             gpus = record["cuda_visible_devices"] or ""
             placed[m.member_id] = (record, {g for g in gpus.split(",") if g}, result["world_size"])
