@@ -456,7 +456,13 @@ def log_to_mlflow(uri: str, params: dict, rows: list[dict], files: list[Path]) -
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("pbt-vs-search")
-    exp_id = experiment.experiment_id if experiment else client.create_experiment("pbt-vs-search")
+    # artifacts beside the database, not in ./mlruns of whatever folder the command ran in
+    where = (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+    exp_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment("pbt-vs-search", artifact_location=where)
+    )
     run = client.create_run(exp_id, run_name=time.strftime("compare-%Y%m%d-%H%M%S"))
     for key, value in params.items():
         client.log_param(run.info.run_id, key, value)
