@@ -20,6 +20,7 @@ Each member's command is the controller's own ``torchrun ... -m pbt.worker``, st
 this script's ``member`` step, which records the member's ``CUDA_VISIBLE_DEVICES`` and wall
 times in ``tasks/<member>/placement.json`` and exits with torchrun's status.
 
+    python bench/scale_campaign.py --shape 7b --dir /scratch/scale7b --build-only  # folder
     python bench/scale_campaign.py --shape 7b --dir /scratch/scale7b            # 8 GPUs
     python bench/scale_campaign.py --shape 7b --dir /scratch/s --gpus-per-member 1   # 2 GPUs
     python bench/scale_campaign.py --shape tiny --dir /tmp/sc --gpus-per-member 0    # CPU
@@ -297,7 +298,10 @@ def drive(args: argparse.Namespace) -> int:
         )
         return 2
     args.dir.mkdir(parents=True, exist_ok=True)
-    manifest = write_manifest(args, model_folder(args.shape, args.dir))
+    model = model_folder(args.shape, args.dir)
+    if args.build_only:
+        return 0
+    manifest = write_manifest(args, model)
     start = time.perf_counter()
     summary = run_campaign(manifest, args.dir / "campaign")
     seconds = time.perf_counter() - start
@@ -329,6 +333,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--load-ranks", type=int, help="default: 1 on the CPU, else 2")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--build-only", action="store_true", help="build the model folder in --dir and stop"
+    )
     args = parser.parse_args(argv)
     if args.load_ranks is None:
         args.load_ranks = 1 if args.gpus_per_member == 0 else 2
