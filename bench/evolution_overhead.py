@@ -38,7 +38,13 @@ def main() -> None:
     parser.add_argument("--engine", default="hf", choices=["hf", "static"])
     args = parser.parse_args()
 
-    from pbt.launch import LocalLauncher, PersistentLauncher, TaskSpec, write_json_atomic
+    from pbt.launch import (
+        LocalLauncher,
+        PersistentLauncher,
+        TaskSpec,
+        member_command,
+        write_json_atomic,
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -54,11 +60,7 @@ def main() -> None:
             "task": {"name": "builtin:letters", "eval_size": 32},
             "training": {"device": args.device, "steps": 2 * args.steps, "seed": 0},
         }
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            "--nproc_per_node={nproc}", "--master_addr=127.0.0.1", "--master_port={port}",
-            "-m", "pbt.worker",
-        ]  # fmt: skip
+        command = member_command()
         gpus = 1 if args.device == "cuda" else 0
         env = {} if gpus else {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
         rows = {}

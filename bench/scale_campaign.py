@@ -40,23 +40,15 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scale_run import SHAPES as SCALE_SHAPES
+
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE / "scale_campaign.yaml"
 SHAPES: dict[str, dict[str, Any]] = {
-    # Qwen2.5-7B's config (bench/scale_run.py's "7b") with the tiny model's tokenizer
-    "7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        dtype="bfloat16",
-    ),
+    # Qwen2.5-7B's config (scale_run's "7b") with the tiny model's tokenizer
+    "7b": {**SCALE_SHAPES["7b"][1], "head_dim": 128, "dtype": "bfloat16"},
     # the built-in tiny model itself (see model_folder)
     "tiny": {},
 }
@@ -105,18 +97,9 @@ def write_manifest(args: argparse.Namespace, model: Path) -> Path:
 
 def member_command() -> list[str]:
     """The controller's member command, started through :func:`record_member`."""
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        "--master_port={port}",
-        "-m",
-        "pbt.worker",
-    ]
-    return [sys.executable, str(Path(__file__).resolve()), "member", "--", *torchrun]
+    from pbt.launch import member_command as torchrun
+
+    return [sys.executable, str(Path(__file__).resolve()), "member", "--", *torchrun()]
 
 
 def record_member(command: list[str]) -> int:

@@ -28,7 +28,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from pbt.launch import (
     PersistentLauncher,
     TaskSpec,
     kill_orphan,
+    member_command,
     write_json_atomic,
 )
 from pbt.manifest import manifest_from_dict
@@ -527,17 +527,7 @@ class Campaign:
 
     def _new_launcher(self) -> LocalLauncher:
         launch = self.manifest.launch
-        command = self.member_command or [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            "--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1",
-            "--master_port={port}",
-            "-m",
-            "pbt.worker",
-        ]
+        command = self.member_command or member_command()
         env = {}
         if launch.gpus_per_member == 0 and "OMP_NUM_THREADS" not in os.environ:
             # CPU members share the cores: oversubscribed threads slow every member down

@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,6 +55,22 @@ OutcomeStatus = Literal[
 ]
 STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE)
 """A task's files from a previous attempt, removed before the next one starts."""
+
+
+def member_command() -> list[str]:
+    """The default member command: ``pbt.worker`` under torchrun, one node, the rank count and
+    port filled in by the launcher (``{nproc}``, ``{port}``)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        "--master_port={port}",
+        "-m",
+        "pbt.worker",
+    ]
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
