@@ -1,9 +1,9 @@
 """``builtin:addition``: two-number addition with an exact-answer reward, and a warm-started
 model that half knows it.
 
-Problems are ``"What is 47 + 38?"`` with the sum as the answer, both operands in ``0 .. 99``. The split into held-out and training problems is fixed (it does not
-depend on a run's seed), so the warm start never sees a held-out problem whatever seed a
-campaign uses.
+Problems are ``"What is 47 + 38?"`` with the sum as the answer, both operands in ``0 .. 99``.
+The split into held-out and training problems is fixed (it does not depend on a run's seed),
+so the warm start never sees a held-out problem whatever seed a campaign uses.
 
 The warm-started model is the built-in tiny model's tokenizer and architecture (or another
 shape), trained from random weights by full-parameter supervised fine-tuning on the training
