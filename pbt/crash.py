@@ -28,16 +28,21 @@ _hits: dict[str, int] = {}
 _fault_hits: dict[str, int] = {}
 
 
-def crash_point(name: str) -> None:
-    """SIGKILL this process if ``PBT_CRASH_AT`` names ``name`` and this is the chosen hit."""
-    spec = os.environ.get("PBT_CRASH_AT")
+def _chosen(variable: str, name: str, hits: dict[str, int]) -> bool:
+    """Whether ``variable`` (``point:n``) names ``name`` and this is its ``n``-th hit."""
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return False
     point, _, nth = spec.partition(":")
     if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] == int(nth or 1):
+        return False
+    hits[name] = hits.get(name, 0) + 1
+    return hits[name] == int(nth or 1)
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if ``PBT_CRASH_AT`` names ``name`` and this is the chosen hit."""
+    if _chosen("PBT_CRASH_AT", name, _hits):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -48,12 +53,5 @@ def fault_point(name: str, path: str | os.PathLike[str]) -> None:
     Raises:
         OSError: ``disk_full``: ``ENOSPC`` (No space left on device) for ``path``.
     """
-    spec = os.environ.get("PBT_FAULT_AT")
-    if not spec:
-        return
-    point, _, nth = spec.partition(":")
-    if point != name:
-        return
-    _fault_hits[name] = _fault_hits.get(name, 0) + 1
-    if _fault_hits[name] == int(nth or 1):
+    if _chosen("PBT_FAULT_AT", name, _fault_hits):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
