@@ -4,15 +4,20 @@ long-lived workers against a process (and a model load) per member task, side by
     python bench/evolution_overhead.py                              # CPU, the tiny model
     python bench/evolution_overhead.py --shape 0.5b --device cuda --members 8 --steps 20
 
-Two generations of ``--members`` member tasks through the campaign's own launchers and worker
-(the controller's bookkeeping, a few milliseconds a generation, is left out): generation 0
-trains every member from the base model; in generation 1 each member loads a parent's
-checkpoint (the next member's, as selection would pick) with its lr mutated. One slot, so tasks
-run one after another. "Productive" is the time the workers report for training steps and
-evaluation; the rest of the wall time (process start, imports, model load, checkpoint load and
-save, handing tasks over) is the overhead. "Generation 1 alone" is the same share for the second
-generation only: what every generation after the first costs once a long-lived worker holds
-the model (a long campaign's steady state).
+``--generations`` generations (default 2) of ``--members`` member tasks through the campaign's
+own launchers and worker (the controller's bookkeeping, a few milliseconds a generation, is left
+out): generation 0 trains every member from the base model; in every later generation each
+member loads a parent's checkpoint (the next member's, as selection would pick) with its lr
+mutated. One slot, so tasks run one after another. "Productive" is the time the workers report
+for training steps and evaluation (``productive_seconds``); the rest of the wall time (process
+start, imports, model load, checkpoint load and save, handing tasks over) is the overhead, and
+each generation's line splits it: the task's setup (the model load, or a reset of the adapter
+slot), the parent checkpoint's load, the checkpoint's save, and what falls outside the task
+(process start, handing tasks over).
+"Later generations" is the same share without generation 0: what every generation after the
+first costs once a long-lived worker holds the model (a long campaign's steady state).
+``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
+modes side by side on two GPUs of one host.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_step import SHAPES
 
+MODES = {"long-lived": "long-lived worker", "restart": "restart per task"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,6 +43,9 @@ def main() -> None:
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--engine", default="hf", choices=["hf", "static"])
+    parser.add_argument("--generations", type=int, default=2)
+    parser.add_argument("--gpu", type=int, default=0, help="the GPU the slot runs on")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
 
     from pbt.launch import (
@@ -64,20 +74,24 @@ def main() -> None:
         gpus = 1 if args.device == "cuda" else 0
         env = {} if gpus else {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
         rows = {}
-        for mode in ("long-lived worker", "restart per task"):
+        for mode in (MODES[m] for m in args.modes):
             campaign = root / mode.replace(" ", "-")
             common = dict(slots=1, gpus_per_member=gpus, heartbeat_timeout_s=600.0, env=env)
+            if gpus:  # two runs side by side must not share a GPU or a rendezvous port
+                common.update(gpu_ids=[args.gpu], base_port=29600 + 100 * args.gpu)
             if mode == "long-lived worker":
                 launcher = PersistentLauncher(command, campaign / "workers", **common)
             else:
                 launcher = LocalLauncher(command, **common)
             walls, works, fitness = [], [], []
             try:
-                for generation in (0, 1):
+                for generation in range(args.generations):
                     tasks = []
                     for i in range(args.members):
                         member = f"g{generation}-m{i}"
-                        parent = f"g0-m{(i + 1) % args.members}" if generation else None
+                        parent = (
+                            f"g{generation - 1}-m{(i + 1) % args.members}" if generation else None
+                        )
                         task_dir = campaign / "tasks" / member
                         task_dir.mkdir(parents=True)
                         write_json_atomic(
@@ -101,38 +115,54 @@ def main() -> None:
                     outcomes = launcher.run(tasks)
                     walls.append(time.perf_counter() - start)
                     works.append(0.0)
+                    phases = dict.fromkeys(("setup", "load", "save", "outside the task"), 0.0)
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
-                        works[-1] += outcome.result["seconds"]
+                        works[-1] += outcome.result["productive_seconds"]
                         fitness.append(outcome.result["fitness"])
+                        for name in ("setup", "load", "save"):
+                            phases[name] += outcome.result["timings"][name]
+                    phases["outside the task"] = walls[-1] - sum(
+                        sum(o.result["timings"].values()) for o in outcomes
+                    )
                     print(
                         f"{mode}, generation {generation}: wall {walls[-1]:.1f} s, productive "
-                        f"{works[-1]:.1f} s",
+                        f"{works[-1]:.1f} s, overhead {(walls[-1] - works[-1]) / walls[-1]:.1%} "
+                        f"({(walls[-1] - works[-1]) / args.members:.2f} s a task), fitness "
+                        f"{[round(f, 4) for f in fitness[-args.members :]]}",
+                        flush=True,
+                    )
+                    print(
+                        "  overhead a task: "
+                        + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items()),
                         flush=True,
                     )
             finally:
                 launcher.close()
-            rows[mode] = (sum(walls), sum(works), fitness, walls[1] - works[1], walls[1])
+            later = (sum(walls[1:]), sum(works[1:]))
+            rows[mode] = (sum(walls), sum(works), fitness, later)
 
-    restart, persistent = rows["restart per task"], rows["long-lived worker"]
     print(
-        f"\n{args.shape} model on {args.device}: 2 generations x {args.members} members x "
-        f"{args.steps} steps, one slot\n"
+        f"\n{args.shape} model on {args.device}, engine {args.engine}: {args.generations} "
+        f"generations x {args.members} members x {args.steps} steps, one slot\n"
     )
     print(
         "| members run by | wall s | productive s | overhead s | overhead share | "
-        "generation 1 alone: overhead share |"
+        "later generations: overhead share |"
     )
     print("|---|---|---|---|---|---|")
-    for mode, (wall, productive, _, overhead_1, wall_1) in rows.items():
+    for mode, (wall, productive, _, (wall_1, productive_1)) in rows.items():
+        later = f"{(wall_1 - productive_1) / wall_1:.1%}" if wall_1 else "-"
         print(
             f"| {mode} | {wall:.1f} | {productive:.1f} | {wall - productive:.1f} | "
-            f"**{(wall - productive) / wall:.1%}** | {overhead_1 / wall_1:.1%} |"
+            f"**{(wall - productive) / wall:.1%}** | {later} |"
         )
-    ratio = (restart[0] - restart[1]) / max(persistent[0] - persistent[1], 1e-9)
-    print(f"\noverhead, restart / long-lived: {ratio:.1f}x")
-    print(f"same fitness in both modes: {restart[2] == persistent[2]}")
+    if len(rows) == 2:
+        restart, persistent = rows["restart per task"], rows["long-lived worker"]
+        ratio = (restart[0] - restart[1]) / max(persistent[0] - persistent[1], 1e-9)
+        print(f"\noverhead, restart / long-lived: {ratio:.1f}x")
+        print(f"same fitness in both modes: {restart[2] == persistent[2]}")
 
 
 if __name__ == "__main__":

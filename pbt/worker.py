@@ -16,6 +16,7 @@ in ``fault.json`` (:mod:`pbt.faults`) before the worker exits 2.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -45,6 +46,7 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     from pbt.algorithms.member import Host, Member, seed_everything
     from pbt.distributed import pick_device, world_info
 
+    marks = [("start", time.perf_counter())]
     campaign = Path(task["campaign_dir"])
     checkpoint = inside(campaign, task["checkpoint"], "checkpoints", "the task's checkpoint")
     parent = task["parent_checkpoint"]
@@ -58,6 +60,7 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     else:
         host = Host(manifest, device)
     member = Member(manifest, device, task["member_id"], host=host)
+    marks.append(("setup", time.perf_counter()))
     if parent:
         member.load(parent)
     member.learner.apply_hyperparameters(task["hyperparameters"])
@@ -71,14 +74,19 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
         "mutation": task["mutation"],
     }
     started = time.perf_counter()
+    marks.append(("load", started))
     history = _train(member, task["steps"])
+    marks.append(("train", time.perf_counter()))
     fitness = member.learner.evaluate(
         member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
     )
     member.fitness.append(fitness)
+    marks.append(("evaluate", time.perf_counter()))
     digest = member.save(checkpoint)
+    marks.append(("save", time.perf_counter()))
     if host.engine is not None:
         host.engine.forget(member.member_id)
+    timings = {name: end - begin for (_, begin), (name, end) in itertools.pairwise(marks)}
     result = {
         "status": "ok",
         "member_id": task["member_id"],
@@ -89,6 +97,8 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
         "checkpoint": task["checkpoint"],
         "digest": digest,
         "seconds": time.perf_counter() - started,
+        "productive_seconds": timings["train"] + timings["evaluate"],
+        "timings": timings,
         "world_size": world.world_size,
         "device": str(torch.device(member.device)),
     }
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.1) -> int:
+def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.02) -> int:
     """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
 
     Every rank reads the same inbox, so the group agrees on each task without a collective
