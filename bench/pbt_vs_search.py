@@ -2,7 +2,9 @@
 
     python bench/pbt_vs_search.py calibrate                  # warm start's reward; RL's gain
     python bench/pbt_vs_search.py compare --seeds 3          # the comparison (CPU, tiny shape)
-    python bench/pbt_vs_search.py compare --device cuda --shape h200 --seeds 3 --jobs 1
+    python bench/pbt_vs_search.py compare --population 8 --resample-probability 0.25 \
+        --target 0.65 --work-dir runs/pbt_vs_search_p8       # population 8, lr can jump
+    python bench/pbt_vs_search.py compare --device cuda --shape h200 --seeds 3 --parallel 1
 
 The task is ``builtin:addition`` ("What is 47 + 38?", exact-answer reward on a fixed held-out
 split) from a model trained from scratch by a short supervised warm start
@@ -10,7 +12,8 @@ split) from a model trained from scratch by a short supervised warm start
 (``pbt run`` on its own directory and SQLite store, members as worker processes):
 
 - ``pbt``: a population of ``--population``, tournament selection, elitism and mutation of
-  ``lr`` and ``temperature`` every generation; generation 0 drawn at random from the ranges.
+  ``lr`` and ``temperature`` every generation (x1.2 / x0.8, or with
+  ``--resample-probability`` a fresh draw from the range); generation 0 drawn at random.
 - ``random``: the Optuna strategy, sampler ``random``, pruner ``none``: each slot trains a
   trial from scratch for ``trial_generations``, then starts a new one.
 - ``tpe``: the Optuna strategy, sampler ``tpe``, pruner ``median``.
@@ -29,6 +32,13 @@ evaluation, checkpoint) and reports them beside the member-steps.
 any member trained so far (what a user of that strategy would keep); its compute is the
 member-steps (and seconds) spent so far. The final reward is that value at the end of the
 budget; the compute to the target is where it first reaches ``--target``.
+
+**Test split.** The held-out reward above selects members (PBT's tournaments, Optuna's pruning,
+the best so far) and is therefore optimistic. Every strategy's final figure is also scored on a
+test split no strategy ever sees: the last ``test_size`` problems of the task's held-out reserve,
+disjoint from the eval split (its first ``eval_size``). The member scored is the campaign's
+best by eval reward, loaded from its checkpoint and evaluated greedily by the members' own
+evaluation code, the same way for every strategy.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -64,11 +74,16 @@ class Shape:
     trial_generations: int = 4
     """Generations one Optuna trial trains at most."""
     eval_size: int = 256
+    test_size: int = 256
+    """Problems of the held-out reserve's tail that score the final members (see
+    :func:`split_for_test`); never used for selection."""
     group_size: int = 8
     prompts_per_step: int = 8
     fixed_lr: float = 5e-4
     """The hand-picked configuration: the best lr of ``calibrate``."""
     fixed_temperature: float = 1.0
+    resample_probability: float = 0.0
+    """PBT: chance a mutated hyperparameter is drawn afresh from its range instead of scaled."""
     target: float = 0.55
     """The reward to reach, set from ``calibrate`` before any comparison ran: the warm start's
     reward plus half the gain of the hand-picked configuration in one member's run."""
@@ -129,7 +144,12 @@ def base_manifest(shape: Shape, model: str, device: str, seed: int, tracking: bo
             "evo_steps": shape.evo_steps,
             "init_sampler": "random",
         },
-        "mutation": {"no_mutation": 0.2, "rl_hp": 0.8, "ranges": RANGES},
+        "mutation": {
+            "no_mutation": 0.2,
+            "rl_hp": 0.8,
+            "resample_probability": shape.resample_probability,
+            "ranges": RANGES,
+        },
         "budget": {"generations": shape.generations},
         "launch": {
             "slots": 1,
@@ -179,12 +199,14 @@ side never race for a rendezvous port."""
 
 def run_campaigns(jobs: list[tuple[dict, Path]], parallel: int, env: dict[str, str]) -> None:
     """Run each (manifest, directory) as a campaign in a child process, ``parallel`` at a time;
-    a directory that already holds a finished campaign is kept (the harness can be re-run).
+    a directory that already holds a finished campaign of the same manifest is kept (the
+    harness can be re-run).
 
     Raises:
+        ValueError: a directory holds a finished campaign of another manifest.
         RuntimeError: a campaign failed; its log is named.
     """
-    queue = [(m, d) for m, d in jobs if not (d / "finished.json").exists()]
+    queue = [(m, d) for m, d in jobs if not _finished(m, d)]
     running: list[tuple[subprocess.Popen, Path, float]] = []
     while queue or running:
         while queue and len(running) < parallel:
@@ -212,6 +234,22 @@ def run_campaigns(jobs: list[tuple[dict, Path]], parallel: int, env: dict[str, s
             print(f"  finished {directory.name} in {wall:.0f} s", flush=True)
 
 
+def _finished(manifest: dict, directory: Path) -> bool:
+    from pbt.manifest import manifest_from_dict
+
+    if not (directory / "finished.json").exists():
+        return False
+    written = directory.parent / f"{directory.name}.yaml"
+    # compared as validated manifests: a default spelt out is the same campaign
+    earlier = asdict(manifest_from_dict(yaml.safe_load(written.read_text()), directory.parent))
+    if earlier != asdict(manifest_from_dict(manifest, directory.parent)):
+        raise ValueError(
+            f"{directory} holds a finished campaign of another manifest ({written}); pass "
+            "another --work-dir or delete it"
+        )
+    return True
+
+
 def run_one(manifest: Path, directory: Path) -> None:
     """One campaign, start to end, with the one-rank member command."""
     from pbt.campaign import Campaign
@@ -234,6 +272,8 @@ class Curve:
     seconds: list[float]
     reward: list[float]
     budget_steps: int
+    test_reward: float = math.nan
+    """The final best member's reward on the test split (NaN: not scored)."""
 
     def to_target(self, target: float, unit: str = "steps") -> float:
         """Compute spent when the reward first reached ``target``; ``inf`` if never."""
@@ -282,6 +322,66 @@ def pbt_schedule(directory: Path) -> list[dict]:
     ]
 
 
+# -- the test split -------------------------------------------------------------------------
+
+
+def split_for_test(shape: Shape) -> list[tuple[str, str]]:
+    """The last ``shape.test_size`` problems of the held-out reserve, as (question, answer):
+    never trained on (the warm start and RL train outside the reserve) and disjoint from the
+    eval split, the reserve's first ``shape.eval_size``.
+
+    Raises:
+        ValueError: the two splits would overlap.
+    """
+    from pbt.algorithms.addition import HELD_OUT, addition_split
+
+    if shape.test_size <= 0 or shape.eval_size + shape.test_size > HELD_OUT:
+        raise ValueError(
+            f"test_size ({shape.test_size}) must be > 0 and eval_size ({shape.eval_size}) + "
+            f"test_size must be <= {HELD_OUT}, the held-out reserve; lower test_size"
+        )
+    _, reserve = addition_split(HELD_OUT, 0)
+    return reserve[HELD_OUT - shape.test_size :]
+
+
+def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict:
+    """The campaign's best member by eval reward (what the strategy would hand over), loaded
+    from its checkpoint and scored on ``problems`` by the members' own evaluation (greedy at
+    the manifest's ``eval_temperature``)."""
+    import torch
+
+    from pbt.algorithms.member import Member
+    from pbt.algorithms.tasks import Example
+    from pbt.manifest import manifest_from_dict
+    from pbt.store import STORE_FILENAME, CampaignStore
+
+    with CampaignStore(directory / STORE_FILENAME) as store:
+        member_id, eval_reward = store.best()
+        checkpoint = store.member(member_id).checkpoint
+        config = store.load_config()
+    manifest = manifest_from_dict(config["manifest"], base_dir=config["base_dir"])
+    member = Member(manifest, torch.device(manifest.training.device))
+    member.load(directory / checkpoint)
+    reward = member.learner.evaluate(
+        [Example(q, a) for q, a in problems],
+        member.task.reward_fn,
+        manifest.training.eval_temperature,
+    )
+    return {"member": member_id, "eval_reward": eval_reward, "reward": reward}
+
+
+def final_test_reward(directory: Path, problems: list[tuple[str, str]]) -> float:
+    """:func:`best_member_reward` on the test split, kept in ``<campaign>/test.json``."""
+    cached = directory / "test.json"
+    if cached.exists():
+        scored = json.loads(cached.read_text())
+        if scored["problems"] == len(problems):
+            return scored["reward"]
+    scored = best_member_reward(directory, problems) | {"problems": len(problems)}
+    cached.write_text(json.dumps(scored))
+    return scored["reward"]
+
+
 # -- the table ------------------------------------------------------------------------------
 
 
@@ -295,6 +395,7 @@ def summarize(curves: list[Curve], target: float) -> list[dict]:
     for strategy in [s for s in STRATEGIES if any(c.strategy == s for c in curves)]:
         mine = [c for c in curves if c.strategy == strategy]
         finals = [c.reward[-1] for c in mine]
+        tests = [c.test_reward for c in mine]
         reached = [c for c in mine if math.isfinite(c.to_target(target))]
         to_steps = [min(c.to_target(target), c.budget_steps) for c in mine]
         to_secs = [min(c.to_target(target, "seconds"), c.seconds[-1]) for c in mine]
@@ -306,6 +407,7 @@ def summarize(curves: list[Curve], target: float) -> list[dict]:
                 "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
                 "final_min": min(finals),
                 "final_max": max(finals),
+                **_spread("test", tests),
                 "budget_steps": statistics.fmean(c.budget_steps for c in mine),
                 "budget_s": statistics.fmean(c.seconds[-1] for c in mine),
                 "reached": len(reached),
@@ -319,6 +421,19 @@ def summarize(curves: list[Curve], target: float) -> list[dict]:
         r["seconds_ratio"] = r["to_target_s"] / base["to_target_s"] if base else math.nan
         r["ratio_bound"] = _ratio_bound(r, base)
     return rows
+
+
+def _spread(name: str, values: list[float]) -> dict[str, float]:
+    """Mean, std, min and max of ``values`` as ``<name>_mean`` ...; NaN where one is NaN
+    (a campaign not scored)."""
+    if not all(map(math.isfinite, values)):
+        return {f"{name}_{key}": math.nan for key in ("mean", "std", "min", "max")}
+    return {
+        f"{name}_mean": statistics.fmean(values),
+        f"{name}_std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        f"{name}_min": min(values),
+        f"{name}_max": max(values),
+    }
 
 
 def _ratio_bound(row: dict, base: dict | None) -> str:
@@ -335,16 +450,22 @@ def _ratio_bound(row: dict, base: dict | None) -> str:
 def format_table(rows: list[dict], target: float) -> str:
     """The rows as a Markdown table."""
     lines = [
-        f"| strategy | final held-out reward, mean ± std (min–max) | budget: member-steps "
-        f"(task-seconds) | seeds reaching {target:g} | member-steps to {target:g} (ratio to "
-        "random) | task-seconds to it (ratio) |",
-        "|---|---|---|---|---|---|",
+        "| strategy | final test-split reward, mean ± std (min–max) | final eval reward (it "
+        f"selected), mean ± std | budget: member-steps (task-seconds) | seeds reaching "
+        f"{target:g} | member-steps to {target:g} (ratio to random) | task-seconds to it "
+        "(ratio) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         bound = "" if r["reached"] == r["seeds"] else "≥ "
+        test = (
+            f"{r['test_mean']:.3f} ± {r['test_std']:.3f} ({r['test_min']:.3f}–{r['test_max']:.3f})"
+            if math.isfinite(r["test_mean"])
+            else "-"
+        )
         lines.append(
-            f"| {r['strategy']} | {r['final_mean']:.3f} ± {r['final_std']:.3f} "
-            f"({r['final_min']:.3f}–{r['final_max']:.3f}) | {r['budget_steps']:.0f} "
+            f"| {r['strategy']} | {test} | {r['final_mean']:.3f} ± {r['final_std']:.3f} | "
+            f"{r['budget_steps']:.0f} "
             f"({r['budget_s']:.0f} s) | {r['reached']}/{r['seeds']} | "
             f"{bound}{r['to_target_steps']:.0f} ({_ratio(r, 'steps_ratio')}) | "
             f"{bound}{r['to_target_s']:.0f} s ({_ratio(r, 'seconds_ratio')}) |"
@@ -467,7 +588,15 @@ def log_to_mlflow(uri: str, params: dict, rows: list[dict], files: list[Path]) -
     for key, value in params.items():
         client.log_param(run.info.run_id, key, value)
     for r in rows:
-        for key in ("final_mean", "final_std", "to_target_steps", "steps_ratio", "budget_s"):
+        for key in (
+            "test_mean",
+            "test_std",
+            "final_mean",
+            "final_std",
+            "to_target_steps",
+            "steps_ratio",
+            "budget_s",
+        ):
             if math.isfinite(r[key]):
                 client.log_metric(run.info.run_id, f"{r['strategy']}.{key}", r[key])
     for path in files:
@@ -490,9 +619,33 @@ def warm_model(shape: Shape, device: str) -> str:
     return str(folder)
 
 
-def compare(args: argparse.Namespace) -> list[dict]:
-    """Run every strategy for every seed, then print the table, plot and log to MLflow."""
+def resolve_shape(args: argparse.Namespace) -> Shape:
+    """The shape of ``--shape`` with ``--population`` and ``--resample-probability`` applied."""
     shape = SHAPES[args.shape]
+    if args.population is not None:
+        if args.population < 2:
+            raise ValueError(f"--population ({args.population}) must be >= 2; raise it")
+        shape = replace(shape, population=args.population)
+    if args.resample_probability is not None:
+        if not 0 <= args.resample_probability <= 1:
+            raise ValueError(
+                f"--resample-probability ({args.resample_probability}) must be in [0, 1]"
+            )
+        shape = replace(shape, resample_probability=args.resample_probability)
+    return shape
+
+
+def results_stem(args: argparse.Namespace) -> str:
+    """The name of the result files: the shape's, plus the population when it is overridden
+    (so a run at another population does not overwrite the default one's)."""
+    return args.shape if args.population is None else f"{args.shape}_p{args.population}"
+
+
+def compare(args: argparse.Namespace) -> list[dict]:
+    """Run every strategy for every seed, score each final best member on the test split, then
+    print the table, plot and log to MLflow."""
+    shape = resolve_shape(args)
+    problems = split_for_test(shape)
     target = args.target if args.target is not None else shape.target
     model = warm_model(shape, args.device)
     work = Path(args.work_dir).resolve()
@@ -510,11 +663,12 @@ def compare(args: argparse.Namespace) -> list[dict]:
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"  # one core per member; --parallel campaigns at once
     run_campaigns(jobs, args.parallel, env)
-    curves = [
-        read_curve(work / f"{s}-s{seed}", s, seed)
-        for seed in range(args.seeds)
-        for s in args.strategies
-    ]
+    curves = []
+    for seed in range(args.seeds):
+        for s in args.strategies:
+            curve = read_curve(work / f"{s}-s{seed}", s, seed)
+            curve.test_reward = final_test_reward(work / f"{s}-s{seed}", problems)
+            curves.append(curve)
     rows = summarize(curves, target)
     table = format_table(rows, target)
     sweep = format_sweep(curves, args.sweep)
@@ -523,14 +677,24 @@ def compare(args: argparse.Namespace) -> list[dict]:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = [plot_reward_vs_compute(curves, target, out / f"pbt_vs_search_{args.shape}.png")]
+    stem = results_stem(args)
+    files = [plot_reward_vs_compute(curves, target, out / f"pbt_vs_search_{stem}.png")]
     if "pbt" in args.strategies:
         schedules = {seed: pbt_schedule(work / f"pbt-s{seed}") for seed in range(args.seeds)}
-        files.append(plot_schedules(schedules, out / f"pbt_schedules_{args.shape}.png"))
-    data = out / f"pbt_vs_search_{args.shape}.json"
+        files.append(plot_schedules(schedules, out / f"pbt_schedules_{stem}.png"))
+    data = out / f"pbt_vs_search_{stem}.json"
     data.write_text(json.dumps({"rows": rows, "curves": [asdict(c) for c in curves]}))
-    (out / f"pbt_vs_search_{args.shape}.md").write_text(table + "\n")
-    params = {"shape": args.shape, "device": args.device, "seeds": args.seeds, "target": target}
+    (out / f"pbt_vs_search_{stem}.md").write_text(table + "\n")
+    params = {
+        "shape": args.shape,
+        "device": args.device,
+        "seeds": args.seeds,
+        "target": target,
+        "population": shape.population,
+        "resample_probability": shape.resample_probability,
+        "member_steps": member_steps(jobs[0][0]),
+        "test_size": shape.test_size,
+    }
     run_id = log_to_mlflow(f"sqlite:///{work / 'mlflow.db'}", params, rows, [*files, data])
     print(f"plots: {', '.join(map(str, files))}; MLflow run {run_id} in {work / 'mlflow.db'}")
     return rows
@@ -538,7 +702,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
 
 def calibrate(args: argparse.Namespace) -> None:
     """The warm-started model's held-out reward, then that of one member after RL at each lr."""
-    shape = SHAPES[args.shape]
+    shape = resolve_shape(args)
     model = warm_model(shape, args.device)
     work = Path(args.work_dir).resolve() / "calibrate"
     steps = shape.generations * shape.evo_steps
@@ -553,23 +717,25 @@ def calibrate(args: argparse.Namespace) -> None:
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     run_campaigns(jobs, args.parallel, env)
-    before = held_out_reward(model, shape, args.device)
-    print(f"warm start, held-out reward (greedy, {shape.eval_size} problems): {before:.3f}")
+    from pbt.algorithms.addition import addition_split
+
+    _, eval_split = addition_split(shape.eval_size, 0)
+    for name, problems in (("eval", eval_split), ("test", split_for_test(shape))):
+        before = held_out_reward(model, problems, args.device)
+        print(f"warm start, {name}-split reward (greedy, {len(problems)} problems): {before:.3f}")
     for lr, (_, directory) in zip(args.lrs, jobs, strict=True):
         curve = read_curve(directory, "fixed", 0)
         print(f"lr {lr:g}: after {curve.steps} steps: {[f'{r:.3f}' for r in curve.reward]}")
 
 
-def held_out_reward(model: str, shape: Shape, device: str) -> float:
-    """Greedy exact-answer reward of ``model`` (no adapter) on the held-out split."""
+def held_out_reward(model: str, held_out: list[tuple[str, str]], device: str) -> float:
+    """Greedy exact-answer reward of ``model`` (no adapter) on the ``held_out`` problems."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pbt.algorithms.addition import addition_split
     from pbt.algorithms.rollout import chat_prompts
     from pbt.algorithms.tasks import arithmetic_reward
 
-    _, held_out = addition_split(shape.eval_size, 0)
     tokenizer = AutoTokenizer.from_pretrained(model)
     net = AutoModelForCausalLM.from_pretrained(model).to(device).eval()
     enc = tokenizer(
@@ -593,7 +759,8 @@ def held_out_reward(model: str, shape: Shape, device: str) -> float:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of the three subcommands."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["compare", "calibrate", "campaign"])
     parser.add_argument("manifest", nargs="?", help="campaign: the manifest to run")
@@ -601,6 +768,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="tiny", choices=list(SHAPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--population", type=int, help="default: the shape's")
+    parser.add_argument(
+        "--resample-probability",
+        type=float,
+        help="PBT: chance a mutation redraws the value from its range (default: the shape's, 0)",
+    )
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--target", type=float, default=None, help="default: the shape's")
     parser.add_argument(
@@ -617,7 +790,11 @@ def main(argv: list[str] | None = None) -> None:
         "--campaign-tracking", action="store_true", help="MLflow runs for every campaign too"
     )
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.command == "compare":
         compare(args)
     elif args.command == "calibrate":
