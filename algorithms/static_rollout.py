@@ -267,10 +267,14 @@ class StaticDecoder:
         state.step.add_(1)
 
     def _capture(self, state: _State, sampling: Sampling) -> None:
-        """Warm the step up on a side stream, capture it, then clear what the warm-up wrote."""
+        """Warm the step up on a side stream, capture it, then clear what the warm-up wrote.
+
+        The warm-up's draws are taken back (the CUDA generator is restored), so a rollout that
+        captures a graph samples the same tokens as one that replays a graph captured earlier:
+        a member gives the same result on a fresh worker and on a long-lived one."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.random.fork_rng(devices=[self.device]), torch.cuda.stream(stream):
             for _ in range(3):
                 self._step(state, sampling)
         torch.cuda.current_stream().wait_stream(stream)
