@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -60,8 +61,8 @@ def save_checkpoint(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        _write_files(tmp, {**attributes, "format_version": FORMAT_VERSION}, adapter_config)
-        digest = _write_manifest(tmp)
+        attributes = _to_cpu({**attributes, "format_version": FORMAT_VERSION})
+        digest = _write_manifest(tmp, _write_files(tmp, attributes, adapter_config))
         _replace_dir(tmp, path)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -78,23 +79,55 @@ OLD_MARK = ".old-"
 """In the name of a replaced checkpoint being removed (``.<name>.old-<random>``)."""
 
 
-def _write_files(root: Path, attributes: dict[str, Any], adapter_config: dict[str, Any]) -> None:
+def _to_cpu(tree: Any) -> Any:
+    """``tree`` with every device tensor copied to the CPU (CPU tensors kept as they are)."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.device.type == "cpu" else tree.detach().to("cpu")
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+class _HashingFile:
+    """A binary file that hashes what is written through it, so no write is read back."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_files(
+    root: Path, attributes: dict[str, Any], adapter_config: dict[str, Any]
+) -> dict[str, str]:
+    """Write the checkpoint's files; return their sha256 digests by relative name."""
     target = root / ATTRIBUTES
     with _writing(target), target.open("wb") as f:
-        torch.save(attributes, f)
+        hashing = _HashingFile(f)
+        torch.save(attributes, hashing)
+    digests = {ATTRIBUTES: hashing.sha.hexdigest()}
     adapter = root / ADAPTER_DIR
     adapter.mkdir()
     tensors = {
-        k: v.detach().to("cpu").contiguous()
+        k: v.detach().contiguous()
         for k, v in attributes["trainable"].items()
         if is_policy_adapter_key(k)
     }
-    _write_bytes(
-        adapter / "adapter_model.safetensors",
-        safetensors_bytes(tensors, metadata={"format": "pt"}),
-    )
     config = json.dumps(adapter_config, indent=2, sort_keys=True)
-    _write_bytes(adapter / "adapter_config.json", config.encode())
+    for name, data in (
+        ("adapter_model.safetensors", safetensors_bytes(tensors, metadata={"format": "pt"})),
+        ("adapter_config.json", config.encode()),
+    ):
+        _write_bytes(adapter / name, data)
+        digests[f"{ADAPTER_DIR}/{name}"] = hashlib.sha256(data).hexdigest()
+    return digests
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -177,13 +210,16 @@ def is_policy_adapter_key(key: str) -> bool:
     return key.startswith("base_model.") and not _NAMED_ADAPTER.search(key)
 
 
-def _write_manifest(root: Path) -> str:
+def _write_manifest(root: Path, digests: dict[str, str]) -> str:
+    """Fsync every file, then write the manifest of their ``digests`` (any file written but
+    not in ``digests`` is hashed from disk) and fsync it and the folders."""
     files = sorted(p for p in root.rglob("*") if p.is_file())
     for file in files:
         _fsync(file)
+    names = {p.relative_to(root).as_posix(): p for p in files}
     manifest = {
         "format_version": FORMAT_VERSION,
-        "files": {p.relative_to(root).as_posix(): _sha256(p) for p in files},
+        "files": {name: digests.get(name) or _sha256(p) for name, p in names.items()},
     }
     text = json.dumps(manifest, indent=2, sort_keys=True)
     _write_bytes(root / MANIFEST, text.encode())
@@ -211,8 +247,10 @@ def _replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify_checkpoint(path: str | Path) -> str:
+def verify_checkpoint(path: str | Path, contents: dict[str, bytes] | None = None) -> str:
     """Check the manifest and every file's digest; return the checkpoint's digest.
+
+    ``contents`` holds files already read (by relative name), hashed instead of read again.
 
     Raises:
         CheckpointError: saying what is missing, unreadable, altered or too new.
@@ -241,7 +279,9 @@ def verify_checkpoint(path: str | Path) -> str:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
-        if _sha256(file) != expected:
+        data = (contents or {}).get(name)
+        actual = _sha256(file) if data is None else hashlib.sha256(data).hexdigest()
+        if actual != expected:
             raise CheckpointError(
                 f"checkpoint {path}: {name} does not match its digest (altered or truncated)"
             )
@@ -255,9 +295,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         CheckpointError: the checkpoint fails verification or holds anything but plain data.
     """
     path = Path(path)
-    digest = verify_checkpoint(path)
+    try:  # read once: the digest is checked on these bytes, and they are what is loaded
+        data = (path / ATTRIBUTES).read_bytes()
+    except OSError:
+        data = None  # verify_checkpoint says what is wrong
+    digest = verify_checkpoint(path, None if data is None else {ATTRIBUTES: data})
     try:
-        attributes = torch.load(path / ATTRIBUTES, map_location=map_location, weights_only=True)
+        attributes = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as err:
         raise CheckpointError(
             f"checkpoint {path}: {ATTRIBUTES} holds more than plain data and was refused ({err})"
