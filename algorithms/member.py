@@ -8,6 +8,7 @@ exactly what training straight through would have given.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
+from pbt.algorithms.checkpoint import (
+    adapter_config,
+    load_checkpoint,
+    peft_key,
+    save_checkpoint,
+)
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
@@ -148,7 +154,8 @@ class Member:
         }
 
     def attributes(self) -> dict[str, Any]:
-        """Everything the member is, as plain data for ``attributes.pt``.
+        """Everything the member is, as plain data for ``attributes.pt``: every tensor a fresh
+        copy on the CPU, so later training does not reach it.
 
         A collective: every rank calls it; sharded state is gathered into full tensors.
         """
@@ -173,12 +180,23 @@ class Member:
 
         A collective: every rank calls it.
         """
-        attributes = self.attributes()
-        digest = None
-        if self.world.rank == 0:
-            digest = save_checkpoint(path, attributes, self._adapter_config())
+        write = self.snapshot(path)
+        digest = write() if write is not None else None
         barrier()
         return digest
+
+    def snapshot(self, path: str | Path) -> Callable[[], str] | None:
+        """Copy the member's state to host memory now; return, on rank 0, the call that writes
+        it to ``path`` as a checkpoint and returns its digest (None on other ranks).
+
+        The write needs neither the device nor the other ranks, so it may run while the model
+        trains the next member. A collective: every rank calls it.
+        """
+        attributes = self.attributes()
+        if self.world.rank != 0:
+            return None
+        config = self._adapter_config()
+        return lambda: save_checkpoint(path, attributes, config)
 
     def _adapter_config(self) -> dict[str, Any]:
         return adapter_config(self.model, adapter_dir_base(self.manifest.model.name))

@@ -12,8 +12,9 @@ mutated. One slot, so tasks run one after another. "Productive" is the time the 
 for training steps and evaluation (``productive_seconds``); the rest of the wall time (process
 start, imports, model load, checkpoint load and save, handing tasks over) is the overhead, and
 each generation's line splits it: the task's setup (the model load, or a reset of the adapter
-slot), the parent checkpoint's load, the checkpoint's save, and what falls outside the task
-(process start, handing tasks over).
+slot), the parent checkpoint's load, the checkpoint's save (on a long-lived worker only the
+snapshot to host memory: the write runs in the background while the next member trains, and is
+shown beside), and what falls outside the task (process start, handing tasks over).
 "Later generations" is the same share without generation 0: what every generation after the
 first costs once a long-lived worker holds the model (a long campaign's steady state).
 ``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
@@ -116,6 +117,7 @@ def main() -> None:
                     walls.append(time.perf_counter() - start)
                     works.append(0.0)
                     phases = dict.fromkeys(("setup", "load", "save", "outside the task"), 0.0)
+                    written = 0.0
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
@@ -123,6 +125,7 @@ def main() -> None:
                         fitness.append(outcome.result["fitness"])
                         for name in ("setup", "load", "save"):
                             phases[name] += outcome.result["timings"][name]
+                        written += outcome.result.get("write_s", 0.0)
                     phases["outside the task"] = walls[-1] - sum(
                         sum(o.result["timings"].values()) for o in outcomes
                     )
@@ -135,7 +138,9 @@ def main() -> None:
                     )
                     print(
                         "  overhead a task: "
-                        + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items()),
+                        + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items())
+                        + f" (checkpoint write {written / args.members:.2f} s, in the background "
+                        "on a long-lived worker)",
                         flush=True,
                     )
             finally:

@@ -53,7 +53,10 @@ OutcomeStatus = Literal[
     "out_of_memory",
     "disk_full",
 ]
-STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE)
+RELEASED = "released"
+"""Written by a long-lived worker in a task's folder once the task no longer needs the device
+(its state is in host memory, its checkpoint being written): the slot may take the next task."""
+STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
 
 
@@ -177,6 +180,7 @@ class _Running:
     proc: subprocess.Popen[bytes]
     started: float  # time.monotonic()
     started_wall: float  # time.time(), to compare with the heartbeat's mtime
+    released: bool = False  # its slot was handed on before it ended (see RELEASED)
 
 
 class LocalLauncher:
@@ -268,9 +272,13 @@ class LocalLauncher:
                 for item in list(running):
                     outcome = self._check(item)
                     if outcome is None:
+                        if not item.released and self._released(item):
+                            item.released = True
+                            free = sorted([*free, item.slot])
                         continue
                     running.remove(item)
-                    free = sorted([*free, item.slot])
+                    if not item.released:
+                        free = sorted([*free, item.slot])
                     outcomes[item.index] = outcome
                     if on_done is not None:
                         on_done(outcome)
@@ -283,6 +291,10 @@ class LocalLauncher:
 
     def close(self) -> None:
         """Nothing outlives :meth:`run` here; a long-lived launcher stops its workers."""
+
+    def _released(self, item: _Running) -> bool:
+        """Whether ``item``'s slot may take another task before ``item`` ends."""
+        return False
 
     def _check_tasks(self, tasks: list[TaskSpec]) -> None:
         dirs = [Path(t.task_dir).resolve() for t in tasks]
@@ -405,8 +417,12 @@ class PersistentLauncher(LocalLauncher):
     ``inbox/<n>.json`` (``{"task": .../task.json, "log": ...}``, ``n`` = 0, 1, ... for each
     worker start). The worker takes the entries in order, runs each as the one-shot worker
     would (heartbeat and ``result.json`` in the task's folder, its output in the task's log) and
-    waits for the next. A task that fails, hangs or outruns its timeout takes its worker down
-    with it: the group is killed and a fresh one serves the slot's next task. ``close()`` (or a
+    waits for the next. Once a task's state is in host memory the worker marks it ``released``
+    and writes its checkpoint in the background: the slot then takes its next task at once, so
+    the write overlaps the next member's training, and the released task ends when its result
+    arrives. A task that fails, hangs or outruns its timeout takes its worker down with it
+    (a released one still writing, too): the group is killed and a fresh one serves the slot's
+    next task. ``close()`` (or a
     ``stop`` file) ends the workers; a worker also ends after ``idle_timeout_s`` without a task
     and when its folder is gone.
 
@@ -461,6 +477,9 @@ class PersistentLauncher(LocalLauncher):
         worker = _Worker(slot, nproc, port, proc, folder)
         self._workers[slot] = worker
         return worker
+
+    def _released(self, item: _Running) -> bool:
+        return (Path(item.task.task_dir) / RELEASED).exists()
 
     def _check(self, item: _Running) -> Outcome | None:
         path = Path(item.task.task_dir) / "result.json"

@@ -19,28 +19,53 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pbt import faults
 from pbt.errors import PbtError
-from pbt.launch import Heartbeat, read_json, write_json_atomic
+from pbt.launch import RELEASED, Heartbeat, read_json, write_json_atomic
 from pbt.manifest import manifest_from_dict
 from pbt.paths import inside
 from pbt.population import member_seed
 
 
 def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
-    """Train the member described by ``task``; return its result and the host it trained on
-    (every rank calls this).
+    """Train the member described by ``task`` and save its checkpoint; return its result and
+    the host it trained on (every rank calls this).
 
     ``host`` is a model loaded by an earlier task of a long-lived worker: it is reused, its
     adapter reset, when the task's manifest is the one it was built for, so switching members
     costs an adapter, optimizer and RNG load, not a model load. A member gives the same
     checkpoint and fitness either way.
     """
+    from pbt.distributed import barrier
+
+    result, host, write = start_task(task, host)
+    result = finish_task(result, write)
+    barrier()  # every rank ends with the checkpoint on disk
+    return result, host
+
+
+def finish_task(result: dict[str, Any], write: Callable[[], str] | None) -> dict[str, Any]:
+    """Write the checkpoint that :func:`start_task` snapshotted (rank 0); the result, complete."""
+    if write is None:
+        return result
+    started = time.perf_counter()
+    digest = write()
+    seconds = time.perf_counter() - started
+    return {**result, "digest": digest, "seconds": result["seconds"] + seconds, "write_s": seconds}
+
+
+def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, Any]:
+    """Train and evaluate the member described by ``task`` and snapshot its state to host
+    memory (every rank calls this). Returns the result without its checkpoint's digest, the
+    host, and on rank 0 the call that writes the checkpoint (:func:`finish_task`), which needs
+    neither the device nor the other ranks; None on the others."""
     import torch
 
     from pbt.algorithms.member import Host, Member, seed_everything
@@ -82,8 +107,8 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     )
     member.fitness.append(fitness)
     marks.append(("evaluate", time.perf_counter()))
-    digest = member.save(checkpoint)
-    marks.append(("save", time.perf_counter()))
+    write = member.snapshot(checkpoint)
+    marks.append(("save", time.perf_counter()))  # the snapshot; finish_task times the write
     if host.engine is not None:
         host.engine.forget(member.member_id)
     timings = {name: end - begin for (_, begin), (name, end) in itertools.pairwise(marks)}
@@ -95,14 +120,14 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
         "history": history,
         "steps": member.learner.step,
         "checkpoint": task["checkpoint"],
-        "digest": digest,
+        "digest": None,
         "seconds": time.perf_counter() - started,
         "productive_seconds": timings["train"] + timings["evaluate"],
         "timings": timings,
         "world_size": world.world_size,
         "device": str(torch.device(member.device)),
     }
-    return result, host
+    return result, host, write
 
 
 def _train(member, steps: int) -> list[dict[str, float]]:
@@ -156,14 +181,18 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.02) -> 
     """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
 
     Every rank reads the same inbox, so the group agrees on each task without a collective
-    while it waits. Ends on a ``stop`` file, when the folder is gone, or after
-    ``idle_timeout_s`` without a task; a task that fails ends the worker (exit 2), since its
-    ranks may be out of step.
+    while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
+    ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
+    ``result.json``, from a background thread while the next task trains; the task heartbeats
+    until its result is written. At most one write is in flight. Ends on a ``stop`` file, when
+    the folder is gone, or after ``idle_timeout_s`` without a task, in each case after the
+    write in flight. A task that fails ends the worker (exit 2), since its ranks may be out of
+    step; so does a failed write (the task in training then fails with it, and is retried).
     """
     from pbt.distributed import shutdown
 
     rank = int(os.environ.get("RANK", 0))
-    host, taken = None, 0
+    host, taken, writing = None, 0, None
     try:
         while True:
             entry = _next_entry(folder, taken, idle_timeout_s, poll_s)
@@ -176,17 +205,59 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.02) -> 
                 print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
                 return 2
             beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else None
-            with beat or contextlib.nullcontext(), _output_to(entry["log"], rank == 0):
-                try:
-                    result, host = run_task(task, host)
-                except BaseException as err:
-                    if not _failed(task_path.parent, err):
-                        raise
-                    return 2
+            with contextlib.ExitStack() as stack:
+                if beat is not None:
+                    stack.enter_context(beat)
+                with _output_to(entry["log"], rank == 0):
+                    try:
+                        result, host, write = start_task(task, host)
+                    except BaseException as err:
+                        if not _failed(task_path.parent, err):
+                            raise
+                        return 2
                 if rank == 0:
-                    write_json_atomic(task_path.parent / "result.json", result)
+                    if writing is not None:
+                        writing.join()
+                    # the write owns the heartbeat from here on, till the result is written
+                    writing = _Writer(
+                        task_path.parent, entry["log"], result, write, stack.pop_all()
+                    )
     finally:
+        if writing is not None:
+            writing.join()
         shutdown()
+
+
+class _Writer(threading.Thread):
+    """Writes a served task's checkpoint, then its ``result.json``, in the background; on
+    failure reports the fault (:mod:`pbt.faults`) and ends the worker with exit 2."""
+
+    def __init__(
+        self,
+        task_dir: Path,
+        log: str,
+        result: dict[str, Any],
+        write: Callable[[], str],
+        heartbeat: contextlib.ExitStack,
+    ) -> None:
+        super().__init__(name="pbt-checkpoint-writer", daemon=True)
+        self.task_dir, self.log, self.result = task_dir, log, result
+        self.write, self.heartbeat = write, heartbeat
+        (task_dir / RELEASED).touch()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.heartbeat:
+                result = finish_task(self.result, self.write)
+                write_json_atomic(self.task_dir / "result.json", result)
+        except BaseException as err:
+            kind = faults.report(self.task_dir, err)
+            with contextlib.suppress(OSError), open(self.log, "a") as f:
+                traceback.print_exc(file=f)
+                what = kind.replace("_", " ") if kind else "writing the checkpoint failed"
+                print(f"error: {what}: {err}", file=f)
+            os._exit(2)
 
 
 def _failed(task_dir: Path, err: BaseException) -> bool:

@@ -1,0 +1,97 @@
+"""A long-lived worker (``pbt.worker --serve``) with the real member code: each task's checkpoint
+is written in the background once the task is released, and a failed background write is
+reported as the fault it is and takes the worker down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pbt.algorithms.checkpoint import load_checkpoint
+from pbt.launch import RELEASED, PersistentLauncher, TaskSpec, member_command, write_json_atomic
+
+MANIFEST = {
+    "model": {"name": "builtin:tiny"},
+    "algorithm": {"group_size": 4, "prompts_per_step": 2},
+    "rollout": {"max_output_tokens": 8},
+    "task": {"name": "builtin:letters", "eval_size": 4},
+    "training": {"device": "cpu", "steps": 4, "seed": 0},
+}
+
+
+def _tasks(campaign: Path, members: list[tuple[str, str | None]]) -> list[TaskSpec]:
+    tasks = []
+    for member, parent in members:
+        task_dir = campaign / "tasks" / member
+        task_dir.mkdir(parents=True)
+        write_json_atomic(
+            task_dir / "task.json",
+            {
+                "campaign_dir": str(campaign),
+                "manifest": MANIFEST,
+                "manifest_base_dir": str(campaign),
+                "member_id": member,
+                "generation": 1 if parent else 0,
+                "parent_id": parent,
+                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
+                "hyperparameters": {"lr": 1e-3},
+                "mutation": "lr" if parent else None,
+                "steps": 1,
+                "checkpoint": f"checkpoints/{member}",
+            },
+        )
+        tasks.append(TaskSpec(member, task_dir, campaign / "logs" / f"{member}.log"))
+    return tasks
+
+
+def _launcher(campaign: Path, **env: str) -> PersistentLauncher:
+    return PersistentLauncher(
+        member_command(),
+        campaign / "workers",
+        slots=1,
+        heartbeat_timeout_s=120.0,
+        env={"OMP_NUM_THREADS": "1", **env},
+    )
+
+
+def test_served_tasks_are_released_then_write_their_checkpoints(tmp_path: Path):
+    """Three tasks on one worker, the third loading the first's checkpoint: each is released
+    before its result, and each result names the digest of the checkpoint on disk, whose
+    timings account for the background write."""
+    campaign = tmp_path / "campaign"
+    tasks = _tasks(campaign, [("a", None), ("b", None), ("c", "a")])
+    launcher = _launcher(campaign)
+    try:
+        outcomes = launcher.run(tasks)
+    finally:
+        launcher.close()
+    assert [o.status for o in outcomes] == ["ok", "ok", "ok"], [o.detail for o in outcomes]
+    for task, outcome in zip(tasks, outcomes, strict=True):
+        assert (task.task_dir / RELEASED).exists()
+        checkpoint = load_checkpoint(campaign / "checkpoints" / task.task_id)
+        assert outcome.result["digest"] == checkpoint["digest"]
+        assert outcome.result["write_s"] > 0
+        assert checkpoint["lineage"]["member"] == task.task_id
+    assert outcomes[2].result["steps"] == 2  # c went on from a's checkpoint
+    served = sorted((campaign / "workers" / "slot0" / "inbox").glob("*.json"))
+    assert len(served) == 3  # one worker served all three
+
+
+def test_a_background_write_that_finds_the_disk_full_fails_its_task(tmp_path: Path):
+    """The first checkpoint write finds the disk full: that task is recorded as ``disk_full``
+    with the write's message, nothing partial is left, the worker ends, the task that was
+    training on it fails with it, and a fresh worker serves the next task."""
+    campaign = tmp_path / "campaign"
+    tasks = _tasks(campaign, [("a", None), ("b", None)])
+    launcher = _launcher(campaign, PBT_FAULT_AT="disk_full:1")
+    try:
+        first = launcher.run(tasks)
+        launcher.env.pop("PBT_FAULT_AT")
+        (retry,) = launcher.run(_tasks(campaign, [("b-retry", None)]))
+    finally:
+        launcher.close()
+    assert first[0].status == "disk_full", first[0].detail
+    assert "No space left on device" in first[0].detail
+    assert first[1].status != "ok"
+    assert retry.status == "ok", retry.detail
+    on_disk = sorted(p.name for p in (campaign / "checkpoints").iterdir())
+    assert on_disk == ["b-retry"]  # no partial or temporary folder of "a"
