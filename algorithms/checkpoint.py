@@ -61,7 +61,7 @@ def save_checkpoint(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        attributes = _to_cpu({**attributes, "format_version": FORMAT_VERSION})
+        attributes = {**attributes, "format_version": FORMAT_VERSION}
         digest = _write_manifest(tmp, _write_files(tmp, attributes, adapter_config))
         _replace_dir(tmp, path)
     except BaseException as err:
@@ -77,17 +77,6 @@ TMP_MARK = ".tmp-"
 """In the name of a checkpoint being written (``.<name>.tmp-<random>``): never a checkpoint."""
 OLD_MARK = ".old-"
 """In the name of a replaced checkpoint being removed (``.<name>.old-<random>``)."""
-
-
-def _to_cpu(tree: Any) -> Any:
-    """``tree`` with every device tensor copied to the CPU (CPU tensors kept as they are)."""
-    if isinstance(tree, torch.Tensor):
-        return tree if tree.device.type == "cpu" else tree.detach().to("cpu")
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
 
 
 class _HashingFile:
@@ -116,7 +105,7 @@ def _write_files(
     adapter = root / ADAPTER_DIR
     adapter.mkdir()
     tensors = {
-        k: v.detach().contiguous()
+        k: v.detach().to("cpu").contiguous()
         for k, v in attributes["trainable"].items()
         if is_policy_adapter_key(k)
     }

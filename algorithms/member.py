@@ -16,12 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pbt.algorithms.checkpoint import (
-    adapter_config,
-    load_checkpoint,
-    peft_key,
-    save_checkpoint,
-)
+from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,

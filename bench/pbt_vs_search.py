@@ -403,10 +403,7 @@ def summarize(curves: list[Curve], target: float) -> list[dict]:
             {
                 "strategy": strategy,
                 "seeds": len(mine),
-                "final_mean": statistics.fmean(finals),
-                "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                "final_min": min(finals),
-                "final_max": max(finals),
+                **_spread("final", finals),
                 **_spread("test", tests),
                 "budget_steps": statistics.fmean(c.budget_steps for c in mine),
                 "budget_s": statistics.fmean(c.seconds[-1] for c in mine),
@@ -424,8 +421,8 @@ def summarize(curves: list[Curve], target: float) -> list[dict]:
 
 
 def _spread(name: str, values: list[float]) -> dict[str, float]:
-    """Mean, std, min and max of ``values`` as ``<name>_mean`` ...; NaN where one is NaN
-    (a campaign not scored)."""
+    """Mean, std, min and max of ``values`` as ``<name>_mean`` ...; all NaN where one value is
+    NaN (a campaign not scored)."""
     if not all(map(math.isfinite, values)):
         return {f"{name}_{key}": math.nan for key in ("mean", "std", "min", "max")}
     return {
