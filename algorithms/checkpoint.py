@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from pbt.crash import fault_point
-from pbt.errors import CheckpointError
-from pbt.faults import DISK_FULL_ERRNOS
+from pbt.config.errors import CheckpointError
+from pbt.protocol.crash import fault_point
+from pbt.protocol.faults import DISK_FULL_ERRNOS
 
 FORMAT_VERSION = 1
 ATTRIBUTES = "attributes.pt"

@@ -29,10 +29,10 @@ from typing import Generic, TypeVar
 
 import torch
 
-from pbt.algorithms.rollout import RolloutBatch, chat_prompts
+from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.algorithms.tasks import LETTERS, load_task
 from pbt.config import TaskConfig
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 LETTERS_NAME = "builtin:letters"
 RESPONSE_LETTERS = 6

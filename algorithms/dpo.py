@@ -19,7 +19,7 @@ from torch import Tensor
 from pbt.algorithms.datasets import PreferenceExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import dpo_loss, preference_accuracy
-from pbt.algorithms.rollout import RolloutBatch, concat_batches, sequence_logprobs
+from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, sequence_logprobs
 from pbt.algorithms.sft import _sum_over_chunks, _to
 from pbt.distributed import all_reduce
 

@@ -25,7 +25,7 @@ from pbt.algorithms import losses
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
-from pbt.algorithms.rollout import RolloutBatch, concat_batches, generate, sequence_logprobs
+from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate, sequence_logprobs
 from pbt.algorithms.tasks import Example, RewardFn
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
@@ -104,7 +104,7 @@ class GRPO(Learner):
                 temperature=temperature,
                 synced=is_sharded(self.model),
             )
-        from pbt.algorithms.vllm_engine import Request
+        from pbt.algorithms.rollout.vllm import Request
 
         if self.adapter_stale:
             self.engine.sync(self)

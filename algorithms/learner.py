@@ -28,15 +28,16 @@ from pbt.config import (
     OptimConfig,
     RolloutConfig,
 )
+from pbt.config.errors import ConfigError
+from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_reduce, world_info
-from pbt.distributed.fsdp import FSDPConfig, average_gradients, is_sharded, set_gradient_sync
+from pbt.distributed.fsdp import average_gradients, is_sharded, set_gradient_sync
 from pbt.distributed.state import (
     OptimizerOffload,
     gather_optimizer,
     load_optimizer,
     trainable_parameters,
 )
-from pbt.errors import ConfigError
 
 
 class Learner:
@@ -100,47 +101,6 @@ class Learner:
         """This learner's adapter in the engine (its member's id in a shared-base population)."""
         self.adapter_stale = True
         """Whether the adapter changed since the engine last loaded it."""
-
-    @classmethod
-    def population(
-        cls,
-        size: int,
-        *,
-        model_name: str | None = None,
-        pad_token_id: int | None = None,
-        pad_token: str | None = None,
-        fsdp_config: Any = None,
-        hp_config: dict[str, dict[str, Any]] | None = None,
-        config: dict[str, Any] | None = None,
-        device: str | None = None,
-        **init_hp: Any,
-    ):
-        """A library-mode population of ``size`` members of this algorithm on one shared base.
-
-        ``init_hp`` takes AgileRL's ``INIT_HP`` keys in either case (``lr=1e-4`` or
-        ``LR=1e-4``, ``group_size=8``, ``beta=0.01``); ``fsdp_config`` is an ``FSDPConfig``,
-        a dict of its fields, or True; ``config`` holds any other manifest sections. Nothing
-        is loaded until an agent is first used. See :func:`pbt.populate.create_population`.
-        """
-        from pbt.populate import create_population
-
-        sections = {name: dict(values) for name, values in (config or {}).items()}
-        model = sections.setdefault("model", {})
-        for key, value in (("pad_token_id", pad_token_id), ("pad_token", pad_token)):
-            if value is not None:
-                model[key] = value
-        if fsdp_config is not None:
-            fsdp = asdict(fsdp_config) if isinstance(fsdp_config, FSDPConfig) else fsdp_config
-            sections.setdefault("distributed", {})["fsdp"] = fsdp
-        return create_population(
-            {key.upper(): value for key, value in init_hp.items()},
-            algo=cls.name,
-            config=sections,
-            population_size=size,
-            hp_config=hp_config,
-            model_name=model_name,
-            device=device,
-        )
 
     @classmethod
     def prepare_model(cls, model, lora: LoRAConfig) -> None:

@@ -30,17 +30,18 @@ from pbt.algorithms.models import (
 )
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import RL_ALGORITHMS, Manifest
+from pbt.config.errors import CheckpointError
+from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_gather_objects, barrier, init_process_group
-from pbt.distributed.fsdp import FSDPConfig, shard_model
+from pbt.distributed.fsdp import shard_model
 from pbt.distributed.state import gather_parameters, load_parameters
-from pbt.errors import CheckpointError
 
 
 class Host:
     """One frozen base model with its adapter slot, the tokenizer and the task, in this process.
 
     Every member hosted in the process trains through this one model: a campaign worker holds
-    one member, a library-mode population many (see :mod:`pbt.algorithms.library`).
+    one member, a library-mode population many (see :mod:`pbt.algorithms.shared_base`).
 
     Args:
         manifest: the validated run configuration.
@@ -74,7 +75,7 @@ class Host:
         self.task: Task = load_data(manifest)
         self.engine = None
         if manifest.rollout.engine == "vllm":
-            from pbt.algorithms.vllm_engine import VLLMRollout
+            from pbt.algorithms.rollout.vllm import VLLMRollout
 
             self.engine = VLLMRollout(
                 manifest, resolve_model_path(manifest.model.name), self.tokenizer, device

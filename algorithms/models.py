@@ -14,9 +14,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pbt.algorithms.tiny import TINY_MODEL_ID, tiny_model_dir
+from pbt.algorithms.builtin.tiny import TINY_MODEL_ID, tiny_model_dir
 from pbt.config import LoRAConfig, ModelConfig
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

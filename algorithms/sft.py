@@ -20,7 +20,7 @@ from torch import Tensor
 from pbt.algorithms.datasets import SFTExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import sft_loss_terms
-from pbt.algorithms.rollout import RolloutBatch, sequence_logprobs
+from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
 from pbt.distributed import all_reduce
 
 

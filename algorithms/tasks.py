@@ -9,7 +9,7 @@ Built-in tasks are procedural (no downloads) and deterministic for a seed:
 - ``builtin:arithmetic``: short word problems ("Tom has 3 apples and buys 5 more...") with an
   exact-answer reward on the last number of the completion; for real models.
 - ``builtin:addition``: "What is 47 + 38?" with the same exact-answer reward, over a fixed
-  held-out split (:mod:`pbt.algorithms.addition`); its warm-started model learns it on a CPU.
+  held-out split (:mod:`pbt.algorithms.builtin.addition`); its warm-started model learns it on a CPU.
 
 A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``,
 loaded only from the file the manifest names.
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pbt.algorithms.addition import ADDITION_TASK, addition_split
+from pbt.algorithms.builtin.addition import ADDITION_TASK, addition_split
 from pbt.config import RewardRef, TaskConfig
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 RewardFn = Callable[[str, Any, str], float]
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from pbt.algorithms.member import Member
-from pbt.manifest import manifest_from_dict
+from pbt.config.loader import manifest_from_dict
 
 VARIANTS = {
     "grpo": {"loss": "grpo"},

@@ -58,10 +58,11 @@ def worker(args: argparse.Namespace) -> None:
 
     from pbt.algorithms.grpo import GRPO
     from pbt.algorithms.models import add_lora
-    from pbt.algorithms.rollout import RolloutBatch
+    from pbt.algorithms.rollout.hf import RolloutBatch
     from pbt.config import AlgorithmConfig, LoRAConfig, OptimConfig, RolloutConfig
+    from pbt.config.fsdp import FSDPConfig
     from pbt.distributed import all_reduce, init_process_group, shutdown, world_info
-    from pbt.distributed.fsdp import FSDPConfig, shard_model
+    from pbt.distributed.fsdp import shard_model
     from pbt.distributed.state import gather_optimizer, gather_parameters
 
     world = world_info()

@@ -49,19 +49,14 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
 
-    from pbt.launch import (
-        LocalLauncher,
-        PersistentLauncher,
-        TaskSpec,
-        member_command,
-        write_json_atomic,
-    )
+    from pbt.controller.launch import LocalLauncher, PersistentLauncher, TaskSpec, member_command
+    from pbt.protocol.files import write_json_atomic
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = "builtin:tiny"
         if args.shape != "tiny":
-            from pbt.algorithms.tiny import build_shaped_model
+            from pbt.algorithms.builtin.tiny import build_shaped_model
 
             model = str(build_shaped_model(root / "model", **SHAPES[args.shape]))
         manifest = {

@@ -8,7 +8,7 @@
 
 The task is ``builtin:addition`` ("What is 47 + 38?", exact-answer reward on a fixed held-out
 split) from a model trained from scratch by a short supervised warm start
-(:mod:`pbt.algorithms.addition`), then GRPO on LoRA adapters. Every strategy is a real campaign
+(:mod:`pbt.algorithms.builtin.addition`), then GRPO on LoRA adapters. Every strategy is a real campaign
 (``pbt run`` on its own directory and SQLite store, members as worker processes):
 
 - ``pbt``: a population of ``--population``, tournament selection, elitism and mutation of
@@ -235,7 +235,7 @@ def run_campaigns(jobs: list[tuple[dict, Path]], parallel: int, env: dict[str, s
 
 
 def _finished(manifest: dict, directory: Path) -> bool:
-    from pbt.manifest import manifest_from_dict
+    from pbt.config.loader import manifest_from_dict
 
     if not (directory / "finished.json").exists():
         return False
@@ -252,7 +252,7 @@ def _finished(manifest: dict, directory: Path) -> bool:
 
 def run_one(manifest: Path, directory: Path) -> None:
     """One campaign, start to end, with the one-rank member command."""
-    from pbt.campaign import Campaign
+    from pbt.controller.campaign import Campaign
 
     campaign = Campaign.start(manifest, directory, member_command=MEMBER_COMMAND)
     try:
@@ -283,7 +283,7 @@ class Curve:
 
 def read_curve(directory: Path, strategy: str, seed: int) -> Curve:
     """The campaign's reward-vs-compute curve, from its store and its members' results."""
-    from pbt.store import STORE_FILENAME, CampaignStore
+    from pbt.controller.store import STORE_FILENAME, CampaignStore
 
     with CampaignStore(directory / STORE_FILENAME) as store:
         members = [m for m in store.members() if m.status == "done" and m.fitness_history]
@@ -306,7 +306,7 @@ def read_curve(directory: Path, strategy: str, seed: int) -> Curve:
 
 def pbt_schedule(directory: Path) -> list[dict]:
     """The best final member's lineage, generation 0 first: its hyperparameters and reward."""
-    from pbt.store import STORE_FILENAME, CampaignStore
+    from pbt.controller.store import STORE_FILENAME, CampaignStore
 
     with CampaignStore(directory / STORE_FILENAME) as store:
         last = max(m.generation for m in store.members())
@@ -333,7 +333,7 @@ def split_for_test(shape: Shape) -> list[tuple[str, str]]:
     Raises:
         ValueError: the two splits would overlap.
     """
-    from pbt.algorithms.addition import HELD_OUT, addition_split
+    from pbt.algorithms.builtin.addition import HELD_OUT, addition_split
 
     if shape.test_size <= 0 or shape.eval_size + shape.test_size > HELD_OUT:
         raise ValueError(
@@ -352,8 +352,8 @@ def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict
 
     from pbt.algorithms.member import Member
     from pbt.algorithms.tasks import Example
-    from pbt.manifest import manifest_from_dict
-    from pbt.store import STORE_FILENAME, CampaignStore
+    from pbt.config.loader import manifest_from_dict
+    from pbt.controller.store import STORE_FILENAME, CampaignStore
 
     with CampaignStore(directory / STORE_FILENAME) as store:
         member_id, eval_reward = store.best()
@@ -607,7 +607,7 @@ def log_to_mlflow(uri: str, params: dict, rows: list[dict], files: list[Path]) -
 
 def warm_model(shape: Shape, device: str) -> str:
     """The warm-started model's folder for ``shape`` (built once, cached)."""
-    from pbt.algorithms.addition import WarmStart, warm_model_dir
+    from pbt.algorithms.builtin.addition import WarmStart, warm_model_dir
 
     recipe = WarmStart(model=shape.warm_model, steps=shape.warm_steps)
     start = time.perf_counter()
@@ -714,7 +714,7 @@ def calibrate(args: argparse.Namespace) -> None:
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     run_campaigns(jobs, args.parallel, env)
-    from pbt.algorithms.addition import addition_split
+    from pbt.algorithms.builtin.addition import addition_split
 
     _, eval_split = addition_split(shape.eval_size, 0)
     for name, problems in (("eval", eval_split), ("test", split_for_test(shape))):
@@ -730,7 +730,7 @@ def held_out_reward(model: str, held_out: list[tuple[str, str]], device: str) ->
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pbt.algorithms.rollout import chat_prompts
+    from pbt.algorithms.rollout.hf import chat_prompts
     from pbt.algorithms.tasks import arithmetic_reward
 
     tokenizer = AutoTokenizer.from_pretrained(model)

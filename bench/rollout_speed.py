@@ -11,7 +11,7 @@ completion runs to ``--tokens`` (end-of-sequence is suppressed), sampled at temp
 - ``HF generate``: ``model.generate`` with its default dynamic cache (``rollout.engine: hf``);
 - ``HF generate, static cache, compiled``: ``cache_implementation="static"``, with which
   ``generate`` compiles the decode forward itself (CUDA only);
-- ``static, eager``: :mod:`pbt.algorithms.static_rollout` with ``cuda_graphs: false``;
+- ``static, eager``: :mod:`pbt.algorithms.rollout.static` with ``cuda_graphs: false``;
 - ``static + CUDA graphs``: the same, each decode step replayed as one graph
   (``rollout.engine: static``, the default ``cuda_graphs: true``; GPU only);
 - ``static + CUDA graphs + compile``: the decode step compiled by ``torch.compile`` before
@@ -54,9 +54,9 @@ def main() -> None:
 
     import torch
 
+    from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.models import add_lora, load_base_model, quiet_transformers
-    from pbt.algorithms.static_rollout import Sampling, StaticDecoder
-    from pbt.algorithms.tiny import build_shaped_model
+    from pbt.algorithms.rollout.static import Sampling, StaticDecoder
     from pbt.config import LoRAConfig, ModelConfig
 
     quiet_transformers()

@@ -3,7 +3,7 @@ torchrun group of ``gpus_per_member`` ranks with FSDP2, run for two generations 
 controller, then checked.
 
 The driver builds the random-weight model folder, writes the campaign's manifest from
-``bench/scale_campaign.yaml`` (model folder, launch and device filled in), runs the campaign
+``configs/scale_campaign.yaml`` (model folder, launch and device filled in), runs the campaign
 with ``Campaign.start(...).run()``, and checks, from the campaign store, the members' results
 and what each member's launch recorded:
 
@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_run import SHAPES as SCALE_SHAPES
 
 HERE = Path(__file__).resolve().parent
-MANIFEST = HERE / "scale_campaign.yaml"
+MANIFEST = Path(str(resources.files("pbt.configs") / "scale_campaign.yaml"))
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-7B's config (scale_run's "7b") with the tiny model's tokenizer
     "7b": {**SCALE_SHAPES["7b"][1], "head_dim": 128, "dtype": "bfloat16"},
@@ -65,7 +66,7 @@ CPU_SECTIONS: dict[str, dict[str, Any]] = {
 def model_folder(shape: str, work: Path) -> Path:
     """The random-weight model folder of ``shape`` under ``work``, built once; the built-in
     tiny model's own folder for ``tiny``."""
-    from pbt.algorithms.tiny import build_shaped_model, tiny_model_dir
+    from pbt.algorithms.builtin.tiny import build_shaped_model, tiny_model_dir
 
     if shape == "tiny":
         return tiny_model_dir()
@@ -78,7 +79,7 @@ def model_folder(shape: str, work: Path) -> Path:
 
 
 def write_manifest(args: argparse.Namespace, model: Path) -> Path:
-    """The campaign's manifest: ``bench/scale_campaign.yaml`` with the folder and launch set."""
+    """The campaign's manifest: ``configs/scale_campaign.yaml`` with the folder and launch set."""
     data = yaml.safe_load(MANIFEST.read_text())
     if args.gpus_per_member == 0:
         for section, values in CPU_SECTIONS.items():
@@ -97,7 +98,7 @@ def write_manifest(args: argparse.Namespace, model: Path) -> Path:
 
 def member_command() -> list[str]:
     """The controller's member command, started through :func:`record_member`."""
-    from pbt.launch import member_command as torchrun
+    from pbt.controller.launch import member_command as torchrun
 
     return [sys.executable, str(Path(__file__).resolve()), "member", "--", *torchrun()]
 
@@ -117,7 +118,7 @@ def record_member(command: list[str]) -> int:
 
 
 def run_campaign(manifest: Path, directory: Path) -> Any:
-    from pbt.campaign import Campaign
+    from pbt.controller.campaign import Campaign
 
     campaign = Campaign.start(manifest, directory, member_command=member_command())
     try:
@@ -244,9 +245,9 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
 
     from pbt.algorithms.checkpoint import peft_key
     from pbt.algorithms.member import Member
+    from pbt.config.loader import manifest_from_dict
     from pbt.distributed import pick_device, shutdown, world_info
     from pbt.distributed.state import gather_parameters
-    from pbt.manifest import manifest_from_dict
 
     task = json.loads((directory / "tasks" / member_id / "task.json").read_text())
     manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
@@ -283,7 +284,7 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
 
 def drive(args: argparse.Namespace) -> int:
     """Build, run, check; print the checks; exit 1 unless every check passed."""
-    from pbt.store import CampaignStore
+    from pbt.controller.store import CampaignStore
 
     if (args.dir / "campaign").exists():
         print(

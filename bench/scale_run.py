@@ -108,7 +108,8 @@ def build_sharded(config, device, dtype, lora_r: int):
 
     from pbt.algorithms.models import add_lora
     from pbt.config import LoRAConfig
-    from pbt.distributed.fsdp import FSDPConfig, shard_model
+    from pbt.config.fsdp import FSDPConfig
+    from pbt.distributed.fsdp import shard_model
 
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -250,7 +251,7 @@ def synthetic_batch(seqs: int, prompt: int, completion: int, vocab: int, rank: i
     """A scored batch of random tokens (this rank's share) and its rewards."""
     import torch
 
-    from pbt.algorithms.rollout import RolloutBatch
+    from pbt.algorithms.rollout.hf import RolloutBatch
 
     gen = torch.Generator().manual_seed(1000 + rank)
     prompt_ids = torch.randint(0, vocab, (seqs, prompt), generator=gen).to(device)

@@ -58,10 +58,9 @@ def run_mode(mode: str, model_dir: str, members: int, device: str) -> dict:
     from transformers import Qwen2ForCausalLM  # noqa: F401
     from transformers.utils import logging as hf_logging
 
-    import pbt.algorithms.library  # noqa: F401
     from pbt.algorithms.member import Member
-    from pbt.manifest import manifest_from_dict
-    from pbt.populate import create_population
+    from pbt.config.loader import manifest_from_dict
+    from pbt.library.create import create_population
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -125,7 +124,7 @@ def measure(shape: str, members: int, device: str, model_dir: str | None = None)
     """Both modes, each in a fresh process; returns their figures and the ratios."""
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
-            from pbt.algorithms.tiny import build_shaped_model
+            from pbt.algorithms.builtin.tiny import build_shaped_model
 
             model_dir = str(build_shaped_model(Path(tmp) / shape, **SHAPES[shape]))
         results = {}

@@ -52,6 +52,7 @@ def main() -> None:
 
     import torch
 
+    from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.losses import token_logprobs
     from pbt.algorithms.models import (
         add_lora,
@@ -60,8 +61,7 @@ def main() -> None:
         quiet_transformers,
         set_mixed_precision,
     )
-    from pbt.algorithms.rollout import RolloutBatch, sequence_logprobs
-    from pbt.algorithms.tiny import build_shaped_model
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.config import LoRAConfig, ModelConfig
 
     quiet_transformers()

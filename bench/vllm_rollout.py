@@ -44,11 +44,11 @@ def main() -> None:
 
     import torch
 
-    from pbt.algorithms.library import SharedBase
-    from pbt.algorithms.rollout import generate
-    from pbt.algorithms.tiny import build_shaped_model
-    from pbt.algorithms.vllm_engine import Request
-    from pbt.manifest import manifest_from_dict
+    from pbt.algorithms.builtin.tiny import build_shaped_model
+    from pbt.algorithms.rollout.hf import generate
+    from pbt.algorithms.rollout.vllm import Request
+    from pbt.algorithms.shared_base import SharedBase
+    from pbt.config.loader import manifest_from_dict
 
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,10 @@
 """Process groups, FSDP2 sharding and gathered state for a member's torchrun group.
 
-Imported as ``pbt.distributed``; it knows nothing of GRPO.
+Imported as ``pbt.distributed``; it knows nothing of GRPO, and of ``pbt`` only the torch-free
+config floor. ``FSDPConfig`` is re-exported here, where users of FSDP look for it.
 """
 
+from pbt.config.fsdp import FSDPConfig
 from pbt.distributed.process_group import (
     CollectiveError,
     WorldInfo,
@@ -19,6 +21,7 @@ from pbt.distributed.process_group import (
 
 __all__ = [
     "CollectiveError",
+    "FSDPConfig",
     "WorldInfo",
     "all_gather_objects",
     "all_reduce",

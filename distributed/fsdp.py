@@ -1,4 +1,5 @@
-"""FSDP2 for a member: the config, the sharding policy, and data-parallel gradient sync.
+"""FSDP2 for a member: the sharding policy and data-parallel gradient sync (the settings are
+:class:`pbt.config.FSDPConfig`).
 
 The policy applies ``fully_shard`` to each transformer block (the classes the model names in
 ``_no_split_modules``, so no architecture is hard-coded), then the input embeddings and an
@@ -8,7 +9,6 @@ reduced in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,53 +22,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from pbt.errors import ConfigError
-
-
-@dataclass(kw_only=True, slots=True)
-class FSDPConfig:
-    """How a member's model is sharded across its ranks with FSDP2.
-
-    Raises:
-        ConfigError: ``cpu_offload`` with ``optim_cpu_offload``, or no process group (launch
-            the member with torchrun).
-    """
-
-    reshard_after_forward: bool = True
-    """Free gathered parameters after each module's forward (less memory, one more all-gather
-    in backward)."""
-    optim_cpu_offload: bool = True
-    """Keep Adam's moments on the CPU except during ``step()``."""
-    cpu_offload: bool = False
-    """Offload sharded parameters and gradients to the CPU; needs a vLLM rollout, because HF
-    ``generate`` needs the weights on the compute device."""
-    defer_grad_sync: bool = True
-    """Skip the gradient reduce-scatter until the last micro-batch of an optimizer step."""
-
-    def __post_init__(self) -> None:
-        if self.cpu_offload and self.optim_cpu_offload:
-            raise ConfigError(
-                [
-                    "FSDPConfig: cpu_offload=True and optim_cpu_offload=True together: cpu_offload "
-                    "already keeps optimizer state on the CPU; set optim_cpu_offload=False"
-                ]
-            )
-        if not dist.is_initialized():
-            raise ConfigError(
-                [
-                    "FSDPConfig needs an initialised process group: launch the member with "
-                    "torchrun (e.g. torchrun --nproc_per_node=2 -m pbt.train manifest.yaml)"
-                ]
-            )
-
-    @classmethod
-    def from_value(cls, value: bool | dict[str, Any] | None) -> FSDPConfig | None:
-        """``INIT_HP["FSDP"]``: True means the defaults, a dict sets fields, None/False is off."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        return cls(**value)
+from pbt.config.errors import ConfigError
+from pbt.config.fsdp import FSDPConfig
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -92,7 +47,17 @@ def shard_model(
         base: the underlying transformers model, whose blocks, embeddings and head are found.
         cfg: the sharding options.
         device: the compute device of this rank.
+
+    Raises:
+        ConfigError: no process group (the member was not started by torchrun).
     """
+    if not dist.is_initialized():
+        raise ConfigError(
+            [
+                "FSDP sharding needs an initialised process group: launch the member with "
+                "torchrun (e.g. torchrun --nproc_per_node=2 -m pbt.worker.train manifest.yaml)"
+            ]
+        )
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if device.type == "cuda":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pbt.errors import ConfigError, PbtError
+from pbt.config.errors import ConfigError, PbtError
 
 DEFAULT_TIMEOUT_S = 600.0
 _timeout_s = DEFAULT_TIMEOUT_S

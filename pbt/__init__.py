@@ -1,25 +1,28 @@
 """pbt-llm: population-based training with hyperparameter search for RL fine-tuning of LLMs.
 
-The controller side of this package (configs, manifests, the CLI) imports no torch; the
-algorithms (``pbt.algorithms``) and the distributed layer (``pbt.distributed``) do.
+``import pbt`` is instant and torch-free: the public API below is imported on first use. The
+controller (``pbt.controller``) never imports torch; the member entry points (``pbt.worker``),
+library mode (``pbt.library``), the algorithms (``pbt.algorithms``) and the distributed layer
+(``pbt.distributed``) do.
 """
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "create_population": "pbt.populate",
-    "Population": "pbt.library",
-    "Agent": "pbt.library",
-    "train_population": "pbt.loop",
-    "TournamentSelection": "pbt.selection",
-    "Mutations": "pbt.mutation",
-    "HPRange": "pbt.mutation",
-    "GRPO": "pbt.algorithms.grpo",
-    "REINFORCE": "pbt.algorithms.grpo",
-    "PPO": "pbt.algorithms.ppo",
-    "SFT": "pbt.algorithms.sft",
-    "DPO": "pbt.algorithms.dpo",
-    "FSDPConfig": "pbt.distributed.fsdp",
+    "create_population": "pbt.library.create",
+    "Population": "pbt.library.population",
+    "Agent": "pbt.library.population",
+    "train_population": "pbt.library.loop",
+    "TournamentSelection": "pbt.controller.selection",
+    "Mutations": "pbt.controller.mutation",
+    "HPRange": "pbt.config.ranges",
+    "GRPO": "pbt.library.algorithms",
+    "REINFORCE": "pbt.library.algorithms",
+    "PPO": "pbt.library.algorithms",
+    "SFT": "pbt.library.algorithms",
+    "DPO": "pbt.library.algorithms",
+    "FSDPConfig": "pbt.config.fsdp",
+    "load_manifest": "pbt.config.loader",
 }
 
 

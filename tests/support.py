@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from pbt.config import Manifest
-from pbt.manifest import manifest_from_dict
+from pbt.config.loader import manifest_from_dict
 
 
 def small_manifest(tmp_path: Path, **sections: dict) -> Manifest:
@@ -118,7 +118,7 @@ def start_campaign(
     """A campaign controller in its own process (to be killed, or to outlive a server), with
     ``env`` added to its environment."""
     script = (
-        "from pbt.campaign import Campaign; "
+        "from pbt.controller.campaign import Campaign; "
         f"c = Campaign.start({str(manifest)!r}, {str(directory)!r}, "
         f"member_command={member_command!r}); c.run(); c.close()"
     )

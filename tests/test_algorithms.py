@@ -14,9 +14,9 @@ import yaml
 from support import run_torchrun, small_sections
 
 from pbt.algorithms.member import Member
-from pbt.errors import ConfigError
-from pbt.manifest import manifest_from_dict
-from pbt.populate import create_population
+from pbt.config.errors import ConfigError
+from pbt.config.loader import manifest_from_dict
+from pbt.library.create import create_population
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_mutable_hyperparameters_are_declared_per_algorithm(tmp_path):
 @pytest.mark.integration
 @pytest.mark.parametrize("variant", ["dapo", "rloo", "ppo", "sft", "dpo"])
 def test_population_of_two_for_two_generations(tmp_path, variant):
-    from pbt.loop import train_population
+    from pbt.library.loop import train_population
 
     config = _sections(tmp_path, {**RL, **DATA}[variant], population={"tournament_size": 2})
     pop = create_population(config=config, population_size=2)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pbt.errors import ConfigError
-from pbt.manifest import manifest_from_dict
-from pbt.populate import create_population
+from pbt.config.errors import ConfigError
+from pbt.config.loader import manifest_from_dict
+from pbt.library.create import create_population
 
 OFFLOAD = {"cpu_offload": True, "optim_cpu_offload": False}
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from support import start_campaign, write_manifest
 
-from pbt.campaign import Campaign
-from pbt.errors import PbtError
-from pbt.report import lineage_png, lineage_text, status_text
-from pbt.store import CampaignStore
+from pbt.config.errors import PbtError
+from pbt.controller.campaign import Campaign
+from pbt.controller.report import lineage_png, lineage_text, status_text
+from pbt.controller.store import CampaignStore
 
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 
@@ -268,7 +268,7 @@ def straight_run(tmp_path_factory):
 
 @pytest.mark.parametrize("crash", CRASHES)
 def test_controller_killed_at_any_point_resumes_to_the_same_campaign(tmp_path, straight_run, crash):
-    """SIGKILL the controller at a crash point (see pbt.crash), resume: the same lineage,
+    """SIGKILL the controller at a crash point (see pbt.protocol.crash), resume: the same lineage,
     hyperparameters and fitness as the uninterrupted run, and the same checkpoints on disk,
     none orphaned, none missing."""
     manifest, straight = straight_run

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from support import MlflowServer, start_campaign, write_manifest
 
-from pbt.campaign import POPULATION_STUDY, SEARCH_STUDY, Campaign
-from pbt.populate import INIT_STUDY
-from pbt.store import CampaignStore
+from pbt.controller.campaign import POPULATION_STUDY, SEARCH_STUDY, Campaign
+from pbt.controller.population import INIT_STUDY
+from pbt.controller.store import CampaignStore
 
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 MANIFEST = {
@@ -116,7 +116,15 @@ def test_optuna_dashboard_shows_the_campaign_studies(tmp_path):
         search={"strategy": "optuna", "sampler": "tpe", "trial_generations": 2},
         budget={"generations": 3},
     )
-    command = [sys.executable, "-m", "pbt.cli", "dashboard", str(directory), "--port", "{port}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pbt.cli",
+        "dashboard",
+        str(directory),
+        "--port",
+        "{port}",
+    ]
     server = MlflowServer(tmp_path, command, health="/api/studies")
     try:
         server.start()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pbt.store import CampaignStore
+from pbt.controller.store import CampaignStore
 
 pytestmark = pytest.mark.integration
 
@@ -179,8 +179,8 @@ def test_killed_controller_resumes_to_the_same_decisions(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _decisions(directory) == _decisions(straight)
     # a library-mode population of the same manifest makes exactly the campaign's decisions
-    from pbt.loop import train_population
-    from pbt.populate import create_population
+    from pbt.library.create import create_population
+    from pbt.library.loop import train_population
 
     pop = create_population(config={**MANIFEST, "training": {**MANIFEST["training"]}})
     evo, generations = MANIFEST["population"]["evo_steps"], MANIFEST["budget"]["generations"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from support import MlflowServer, start_campaign, write_manifest
 
-from pbt.campaign import Campaign
-from pbt.store import CampaignStore
+from pbt.controller.campaign import Campaign
+from pbt.controller.store import CampaignStore
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
 from pbt.algorithms.member import Member
 from pbt.algorithms.models import resolve_model_path
-from pbt.errors import CheckpointError
+from pbt.config.errors import CheckpointError
 
 CPU = torch.device("cpu")
 

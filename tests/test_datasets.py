@@ -17,10 +17,10 @@ from pbt.algorithms.datasets import (
     load_sft,
 )
 from pbt.algorithms.models import load_base_model, load_tokenizer
-from pbt.algorithms.rollout import RolloutBatch, sequence_logprobs
+from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
 from pbt.algorithms.tasks import LETTER_TEMPLATES, letters_reward, load_task
 from pbt.config import ModelConfig, TaskConfig
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

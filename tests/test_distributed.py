@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 DRIVER = Path(__file__).parent / "drivers" / "grpo_driver.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -108,12 +108,17 @@ def test_a_hung_rank_becomes_a_clear_error_not_a_hang(tmp_path: Path):
 
 
 def test_fsdp_config_rules():
-    from pbt.distributed.fsdp import FSDPConfig
+    from pbt.config.fsdp import FSDPConfig
+    from pbt.distributed.fsdp import shard_model
 
-    with pytest.raises(ConfigError, match="set optim_cpu_offload=False"):
+    with pytest.raises(ConfigError, match="set optim_cpu_offload: false"):
         FSDPConfig(cpu_offload=True)
+    with pytest.raises(
+        ConfigError, match=r"FSDPConfig.optim_cpu_offload \('yes'\) must be true or false"
+    ):
+        FSDPConfig(**{"optim_cpu_offload": "yes"})
     with pytest.raises(ConfigError, match="launch the member with torchrun"):
-        FSDPConfig()
+        shard_model(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), FSDPConfig(), torch.device("cpu"))
     assert FSDPConfig.from_value(None) is None and FSDPConfig.from_value(False) is None
 
 
@@ -121,7 +126,7 @@ def test_fsdp_config_fields_match_the_manifest_schema():
     import dataclasses
 
     from pbt.config import FSDP_FIELDS
-    from pbt.distributed.fsdp import FSDPConfig
+    from pbt.config.fsdp import FSDPConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(FSDPConfig)}
     assert fields == FSDP_FIELDS
@@ -142,7 +147,7 @@ def test_sharded_member_trains_generates_and_resumes_on_one_rank(tmp_path: Path)
         )
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [TORCHRUN, "--nproc_per_node=2", "--standalone", "-m", "pbt.train", str(manifest)]
+    cmd = [TORCHRUN, "--nproc_per_node=2", "--standalone", "-m", "pbt.worker.train", str(manifest)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("step    2/2") == 1  # only rank 0 prints
@@ -152,7 +157,7 @@ def test_sharded_member_trains_generates_and_resumes_on_one_rank(tmp_path: Path)
         "--nproc_per_node=1",
         "--standalone",
         "-m",
-        "pbt.train",
+        "pbt.worker.train",
         str(manifest),
         "--resume",
         "out/checkpoint",

@@ -44,7 +44,7 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path):
     )
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     proc = _run(
-        [torchrun, "--nproc_per_node=1", "--standalone", "-m", "pbt.train", str(manifest)],
+        [torchrun, "--nproc_per_node=1", "--standalone", "-m", "pbt.worker.train", str(manifest)],
         tmp_path,
     )
     assert "step    3/3" in proc.stdout
@@ -57,7 +57,7 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path):
         [
             sys.executable,
             "-m",
-            "pbt.train",
+            "pbt.worker.train",
             str(manifest),
             "--resume",
             "out/checkpoint",
@@ -76,18 +76,21 @@ def test_quickstart_member_learns(tmp_path):
     """The README's quickstart, shortened: the held-out reward must rise by a margin that a
     run with a learning rate of ~0 (the control) does not show."""
     learned = _run(
-        [sys.executable, "-m", "pbt.cli", "train", "--steps", "20", "--output-dir", "a"], tmp_path
+        [sys.executable, "-m", "pbt.cli", "train", "--steps", "20", "--output-dir", "a"],
+        tmp_path,
     )
     before, after = _done_line(learned.stdout)
     control_manifest = tmp_path / "control.yaml"
-    quickstart = yaml.safe_load((Path(__file__).parents[1] / "pbt" / "quickstart.yaml").read_text())
+    quickstart = yaml.safe_load(
+        (Path(__file__).parents[1] / "configs" / "quickstart.yaml").read_text()
+    )
     quickstart["optim"]["lr"] = 1e-9
     control_manifest.write_text(yaml.safe_dump(quickstart))
     control = _run(
         [
             sys.executable,
             "-m",
-            "pbt.train",
+            "pbt.worker.train",
             str(control_manifest),
             "--steps",
             "20",
@@ -126,7 +129,7 @@ def test_wheel_installs_one_import_root(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"pbt"}, tops
     assert "pbt/algorithms/grpo.py" in names and "pbt/distributed/process_group.py" in names
-    assert "pbt/quickstart.yaml" in names
+    assert "pbt/configs/quickstart.yaml" in names
     target = tmp_path / "site"
     _run(
         [
@@ -143,9 +146,9 @@ def test_wheel_installs_one_import_root(tmp_path):
         tmp_path,
     )
     probe = (
-        "import pbt, pbt.algorithms.grpo, pbt.distributed, pbt.train;"
+        "import pbt, pbt.algorithms.grpo, pbt.distributed, pbt.worker.train;"
         "print(pbt.__file__);"
-        "print(pbt.train.default_manifest_path().is_file())"
+        "print(pbt.worker.train.default_manifest_path().is_file())"
     )
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(

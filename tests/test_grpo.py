@@ -41,7 +41,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
 
 def test_update_raises_the_likelihood_of_better_completions(tmp_path):
     member = Member(small_manifest(tmp_path, optim={"lr": 1e-2}), CPU)
-    from pbt.algorithms.rollout import sequence_logprobs
+    from pbt.algorithms.rollout.hf import sequence_logprobs
 
     batch, _ = _scored_batch(member)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from support import start_campaign, write_manifest
 
-from pbt.campaign import Campaign
 from pbt.config import RewardRef
-from pbt.errors import ConfigError, PbtError
-from pbt.paths import inside, plain_name
-from pbt.store import CampaignStore
+from pbt.config.errors import ConfigError, PbtError
+from pbt.controller.campaign import Campaign
+from pbt.controller.store import CampaignStore
+from pbt.protocol.paths import inside, plain_name
 
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 MANIFEST = {
@@ -175,7 +175,7 @@ def test_a_tracking_journal_naming_outside_files_deletes_and_uploads_nothing(tmp
     replayed to a real (embedded) MLflow store, nothing is uploaded or deleted."""
     from mlflow import MlflowClient
 
-    from pbt.tracking import Tracker, default_uri
+    from pbt.controller.tracking import Tracker, default_uri
 
     uri, journal = default_uri(tmp_path), tmp_path / "journal"
     with Tracker(uri, "hostile", journal) as tracker:

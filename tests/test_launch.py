@@ -19,22 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from pbt.errors import PbtError
-from pbt.launch import (
-    Heartbeat,
-    LocalLauncher,
-    Outcome,
-    TaskSpec,
-    read_json,
-    write_json_atomic,
-)
+from pbt.config.errors import PbtError
+from pbt.controller.launch import LocalLauncher, Outcome, TaskSpec
+from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
 
 FAKE_MEMBER = textwrap.dedent(
     """
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
 
-    from pbt.launch import Heartbeat, write_json_atomic
+    from pbt.protocol.files import Heartbeat, write_json_atomic
 
     task_path = Path(sys.argv[-1])
     task_dir = task_path.parent
@@ -178,7 +172,7 @@ def every_outcome(
 
 def test_ok_returns_the_result(every_outcome) -> None:
     outcome = every_outcome[0]["ok"]
-    assert (outcome.status, outcome.returncode) == ("ok", 0)
+    assert (outcome.status, outcome.returncode) == ("ok", 0), outcome.detail
     assert outcome.result is not None and outcome.result["id"] == "ok"
 
 
@@ -404,7 +398,7 @@ def test_heartbeat_keeps_touching_until_exit(tmp_path: Path) -> None:
 
 
 def test_launch_imports_no_torch() -> None:
-    code = "import sys, pbt.launch; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    code = "import sys, pbt.controller.launch; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -416,8 +410,8 @@ SERVING_MEMBER = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
 
-    from pbt.launch import Heartbeat, read_json, write_json_atomic
-    from pbt.worker import _next_entry
+    from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
+    from pbt.worker.task import _next_entry
 
     folder = Path(sys.argv[sys.argv.index("--serve") + 1])
     served = 0
@@ -444,7 +438,7 @@ SERVING_MEMBER = textwrap.dedent(
 def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tmp_path):
     """One slot: three tasks on one worker; a task that crashes and one that hangs each take
     their worker down, and a fresh worker serves the next task; close() ends the last one."""
-    from pbt.launch import PersistentLauncher
+    from pbt.controller.launch import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
     script.write_text(SERVING_MEMBER)

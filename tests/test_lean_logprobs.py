@@ -6,9 +6,9 @@ import pytest
 import torch
 from support import small_manifest
 
-from pbt.algorithms import rollout
 from pbt.algorithms.member import Member
-from pbt.algorithms.rollout import RolloutBatch, sequence_logprobs
+from pbt.algorithms.rollout import hf as rollout
+from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
 
 CPU = torch.device("cpu")
 
@@ -118,7 +118,7 @@ def test_compiled_member_computes_what_the_eager_one_does(member, tmp_path):
 
 
 def test_compile_with_fsdp_is_refused(tmp_path):
-    from pbt.errors import ConfigError
+    from pbt.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         small_manifest(tmp_path, training={"compile": True}, distributed={"fsdp": True})

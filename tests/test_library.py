@@ -13,8 +13,8 @@ from support import run_torchrun, small_sections
 
 from pbt import GRPO, create_population, train_population
 from pbt.algorithms.checkpoint import load_checkpoint
-from pbt.errors import ConfigError, PbtError
-from pbt.worker import run_task
+from pbt.config.errors import ConfigError, PbtError
+from pbt.worker.task import run_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,7 +266,7 @@ def _loop_population(tmp_path, **sections):
 
 
 def test_train_population_evaluates_before_every_selection(tmp_path, monkeypatch):
-    from pbt.library import Agent, Population
+    from pbt.library.population import Agent, Population
 
     tested, selected = [], []
     real_test, real_next = Agent.test, Population.next_generation

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from pbt.errors import ConfigError
-from pbt.manifest import load_manifest, manifest_from_dict
-from pbt.train import default_manifest_path
+from pbt.config.errors import ConfigError
+from pbt.config.loader import load_manifest, manifest_from_dict
+from pbt.worker.train import default_manifest_path
 
 
 def _problems(data: dict) -> list[str]:
@@ -117,7 +117,10 @@ def test_entry_point_prints_problems_without_traceback(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("algorithm:\n  group_size: 1\ntraining:\n  stepz: 3\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "pbt.train", str(path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pbt.worker.train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import pbt_vs_search as harness
 
-from pbt.algorithms.addition import addition_split
-from pbt.manifest import manifest_from_dict
-from pbt.store import STORE_FILENAME, CampaignStore
+from pbt.algorithms.builtin.addition import addition_split
+from pbt.config.loader import manifest_from_dict
+from pbt.controller.store import STORE_FILENAME, CampaignStore
 
 MICRO = harness.Shape(
     warm_steps=2,

@@ -23,9 +23,9 @@ from pbt.algorithms.ppo import (
     keep_trainable,
     token_rewards,
 )
-from pbt.algorithms.rollout import RolloutBatch
-from pbt.manifest import manifest_from_dict
-from pbt.populate import create_population
+from pbt.algorithms.rollout.hf import RolloutBatch
+from pbt.config.loader import manifest_from_dict
+from pbt.library.create import create_population
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_value_loss_clipping_matches_hand_values():
 
 
 def test_ppo_config_is_checked(tmp_path):
-    from pbt.errors import ConfigError
+    from pbt.config.errors import ConfigError
 
     bad = {"name": "PPO", "gamma": 1.5, "lam": -0.1, "vf_coef": -1.0, "value_clip": 0.0}
     with pytest.raises(ConfigError) as err:
@@ -235,7 +235,7 @@ def test_ppo_as_a_two_rank_member(tmp_path, mode):
 
 @pytest.mark.integration
 def test_library_mode_clones_carry_the_critic(tmp_path):
-    from pbt.loop import train_population
+    from pbt.library.loop import train_population
 
     config = small_sections(tmp_path, algorithm=PPO, population={"tournament_size": 2})
     pop = create_population(config=config, population_size=2)

@@ -19,12 +19,12 @@ import torch
 import yaml
 from support import write_manifest
 
-from pbt import crash, faults
 from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
-from pbt.campaign import Campaign
-from pbt.errors import CheckpointError, PbtError
-from pbt.report import status_text
-from pbt.store import CampaignStore
+from pbt.config.errors import CheckpointError, PbtError
+from pbt.controller.campaign import Campaign
+from pbt.controller.report import status_text
+from pbt.controller.store import CampaignStore
+from pbt.protocol import crash, faults
 
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 MANIFEST = {
@@ -65,7 +65,7 @@ WRITE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent(
     """
     import resource, signal, sys, torch
     from pbt.algorithms.checkpoint import save_checkpoint
-    from pbt.errors import CheckpointError
+    from pbt.config.errors import CheckpointError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))

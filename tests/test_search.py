@@ -9,9 +9,14 @@ from pathlib import Path
 import optuna
 import pytest
 
-from pbt.errors import ConfigError
-from pbt.mutation import HPRange
-from pbt.search import OptunaSearch, record_initial_fitness, sample_initial, study_storage
+from pbt.config.errors import ConfigError
+from pbt.config.ranges import HPRange
+from pbt.controller.search import (
+    OptunaSearch,
+    record_initial_fitness,
+    sample_initial,
+    study_storage,
+)
 
 LR = HPRange(min=1e-6, max=1e-2, log=True)
 RANGES = {

@@ -10,10 +10,11 @@ from collections import Counter
 
 import pytest
 
-from pbt.errors import ConfigError
-from pbt.mutation import HPRange, Mutations
-from pbt.population import MemberRecord
-from pbt.selection import Selected, TournamentSelection
+from pbt.config.errors import ConfigError
+from pbt.config.ranges import HPRange
+from pbt.controller.mutation import Mutations
+from pbt.controller.selection import Selected, TournamentSelection
+from pbt.protocol.records import MemberRecord
 
 
 def make_population(histories: list[list[float]]) -> list[MemberRecord]:
@@ -415,5 +416,5 @@ def test_all_mutation_problems_are_reported_together() -> None:
 
 
 def test_controller_modules_do_not_import_torch() -> None:
-    code = "import sys, pbt.selection, pbt.mutation; assert 'torch' not in sys.modules"
+    code = "import sys, pbt.controller.selection, pbt.controller.mutation; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,9 +13,9 @@ import torch
 from support import small_manifest
 
 from pbt.algorithms.member import Member
-from pbt.algorithms.rollout import generate, sequence_logprobs
-from pbt.algorithms.static_rollout import Sampling, pick_tokens
-from pbt.errors import ConfigError
+from pbt.algorithms.rollout.hf import generate, sequence_logprobs
+from pbt.algorithms.rollout.static import Sampling, pick_tokens
+from pbt.config.errors import ConfigError
 
 CPU = torch.device("cpu")
 QUESTIONS = [
@@ -186,7 +186,7 @@ def test_grpo_member_learns_with_static_rollouts(tmp_path):
 def test_a_decoder_keeps_a_bounded_number_of_shapes(member):
     """Every batch shape gets its own cache (and graph on GPU); past ``KEPT_SHAPES`` the least
     recently used is dropped, and a shape met again is rebuilt with the same output."""
-    from pbt.algorithms import static_rollout
+    from pbt.algorithms.rollout import static as static_rollout
 
     _randomise(member, 4)
     learner = member.learner

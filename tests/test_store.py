@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pbt.errors import PbtError
-from pbt.population import MemberRecord
-from pbt.store import STORE_FILENAME, CampaignStore
+from pbt.config.errors import PbtError
+from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.protocol.records import MemberRecord
 
 
 def _member(generation: int, index: int, parent: MemberRecord | None = None) -> MemberRecord:
@@ -175,8 +175,8 @@ def test_generations_commit_in_order_only(tmp_path: Path):
 
 _KILLED_WRITER = """
 import os, sys, time
-from pbt.population import MemberRecord
-from pbt.store import CampaignStore
+from pbt.protocol.records import MemberRecord
+from pbt.controller.store import CampaignStore
 
 class SlowList(list):
     # Hands rows to the store one by one and stalls halfway, inside the open transaction.
@@ -231,8 +231,8 @@ def test_sigkill_mid_commit_leaves_only_complete_generations(tmp_path: Path):
 
 _LOOPING_WRITER = """
 import sys
-from pbt.population import MemberRecord
-from pbt.store import CampaignStore
+from pbt.protocol.records import MemberRecord
+from pbt.controller.store import CampaignStore
 
 store = CampaignStore(sys.argv[1])
 size = 200
@@ -389,5 +389,5 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path):
 
 
 def test_store_imports_no_torch():
-    code = "import sys, pbt.store; assert 'torch' not in sys.modules, 'pbt.store imported torch'"
+    code = "import sys, pbt.controller.store; assert 'torch' not in sys.modules, 'pbt.controller.store imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)

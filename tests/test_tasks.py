@@ -6,7 +6,7 @@ import pytest
 
 from pbt.algorithms.tasks import arithmetic_reward, letters_reward, load_task
 from pbt.config import RewardRef, TaskConfig
-from pbt.errors import ConfigError
+from pbt.config.errors import ConfigError
 
 
 def test_letters_reward_gives_partial_credit():

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pbt.algorithms.tiny import (
+from pbt.algorithms.builtin.tiny import (
     HEAD_INIT_STD,
     MARKER,
     TINY_VERSION,
@@ -132,7 +132,7 @@ def test_default_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 @pytest.mark.integration
 def test_concurrent_callers_share_one_folder(tmp_path: Path) -> None:
     cache = tmp_path / "shared"
-    code = "import sys; from pbt.algorithms.tiny import tiny_model_dir; print(tiny_model_dir(sys.argv[1]))"
+    code = "import sys; from pbt.algorithms.builtin.tiny import tiny_model_dir; print(tiny_model_dir(sys.argv[1]))"
     env = {k: v for k, v in os.environ.items() if k != "PBT_CACHE_DIR"}
     procs = [
         subprocess.Popen(

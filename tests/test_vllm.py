@@ -21,8 +21,8 @@ import pytest
 import torch
 from support import run_torchrun, small_sections
 
-from pbt.errors import ConfigError
-from pbt.manifest import manifest_from_dict
+from pbt.config.errors import ConfigError
+from pbt.config.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]
@@ -261,10 +261,10 @@ def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms import vllm_engine
     from pbt.algorithms.member import Member
     from pbt.algorithms.models import resolve_model_path
-    from pbt.algorithms.rollout import sequence_logprobs
+    from pbt.algorithms.rollout import vllm as vllm_engine
+    from pbt.algorithms.rollout.hf import sequence_logprobs
 
     member = Member(manifest_from_dict(small_sections(tmp_path), base_dir=tmp_path), CPU, "m0")
     fake = _RecordingEngine(member.tokenizer.eos_token_id)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pbt.algorithms.checkpoint import load_checkpoint
-from pbt.launch import RELEASED, PersistentLauncher, TaskSpec, member_command, write_json_atomic
+from pbt.controller.launch import PersistentLauncher, TaskSpec, member_command
+from pbt.protocol.files import RELEASED, write_json_atomic
 
 MANIFEST = {
     "model": {"name": "builtin:tiny"},

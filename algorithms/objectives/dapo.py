@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pbt.algorithms import losses
 from pbt.algorithms.losses import Aggregation
-from pbt.algorithms.objectives import grpo
+from pbt.algorithms.objectives.grpo import per_token_loss
 
 AGGREGATION: Aggregation = "token-mean"
 
@@ -30,8 +30,8 @@ advantages = losses.group_advantages
 """Std-normalised group advantages ``([N], has_signal [N] bool)``, as GRPO."""
 
 
-per_token_loss = grpo.per_token_loss
-"""PPO's clipped surrogate with the (asymmetric) range the config gives."""
+__all__ = ["AGGREGATION", "advantages", "overlong_penalty", "per_token_loss"]
+# per_token_loss is GRPO's: PPO's clipped surrogate with the (asymmetric) range the config gives
 
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:

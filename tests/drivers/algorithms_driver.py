@@ -21,8 +21,8 @@ from support import small_sections
 from test_algorithms import DATA, RL
 
 from pbt.algorithms.member import Member
+from pbt.config.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
-from pbt.manifest import manifest_from_dict
 
 
 def main() -> None:

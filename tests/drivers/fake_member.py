@@ -9,7 +9,7 @@ told to misbehave per member and attempt through `<campaign>/faults.json`:
 an allocation fails (under `launch.memory_limit_gib`; it gives up after
 `FAKE_MEMBER_ALLOCATE_GIB`, default 4, without one); `disk_full` makes the checkpoint write
 fail with ENOSPC through `PBT_FAULT_AT`. Both are reported as the real worker reports them
-(`pbt.faults`). With `FAKE_MEMBER_CHECKPOINT=real` the checkpoint is a real one
+(`pbt.protocol.faults`). With `FAKE_MEMBER_CHECKPOINT=real` the checkpoint is a real one
 (`pbt.algorithms.checkpoint`, a tensor and the state), written and read as members do.
 """
 
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from pbt import faults
-from pbt.launch import Heartbeat, read_json, write_json_atomic
+from pbt.protocol import faults
+from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
 
 REAL_CHECKPOINT = os.environ.get("FAKE_MEMBER_CHECKPOINT") == "real"
 

@@ -16,10 +16,10 @@ import time
 import torch
 
 from pbt.algorithms.member import Member
-from pbt.algorithms.rollout import RolloutBatch, chat_prompts
+from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
+from pbt.config.loader import manifest_from_dict
 from pbt.distributed import CollectiveError, shutdown, world_info
 from pbt.distributed.state import gather_parameters
-from pbt.manifest import manifest_from_dict
 
 PROMPTS, GROUP, LENGTH = 4, 4, 6
 

@@ -19,9 +19,9 @@ from support import small_sections
 from test_ppo import PPO
 
 from pbt.algorithms.member import Member
+from pbt.config.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 from pbt.distributed.state import full_tensor
-from pbt.manifest import manifest_from_dict
 
 REPORTED = ("loss", "policy_loss", "value_loss", "kl", "clip_fraction", "explained_variance")
 

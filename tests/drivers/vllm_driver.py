@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import small_sections
 
-from pbt.algorithms.library import SharedBase
-from pbt.algorithms.rollout import generate, sequence_logprobs
-from pbt.manifest import manifest_from_dict
+from pbt.algorithms.rollout.hf import generate, sequence_logprobs
+from pbt.algorithms.shared_base import SharedBase
+from pbt.config.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 

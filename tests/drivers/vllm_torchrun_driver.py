@@ -24,10 +24,10 @@ from support import small_sections
 from vllm_driver import completions
 
 from pbt.algorithms.member import Member
-from pbt.algorithms.rollout import generate
+from pbt.algorithms.rollout.hf import generate
+from pbt.config.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 from pbt.distributed.fsdp import is_sharded
-from pbt.manifest import manifest_from_dict
 
 
 def main() -> None:

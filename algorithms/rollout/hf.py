@@ -1,0 +1,304 @@
+"""Rollouts through Hugging Face ``generate`` (or the static-cache decoder of
+:mod:`pbt.algorithms.rollout.static`), and the log-prob forward pass that matches them.
+
+Prompts are chat-templated and left-padded; completions are right-padded and their mask covers
+every token up to and including the first end-of-sequence token. Positions are computed from
+the attention mask in both ``generate`` and :func:`sequence_logprobs`, so the trainer scores
+exactly the tokens the sampler saw.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms.losses import token_logprobs
+from pbt.algorithms.models import mixed_precision
+from pbt.config import RolloutConfig
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """Prompts and their sampled completions, as token ids and text."""
+
+    prompt_ids: Tensor
+    """``[N, P]`` left-padded prompt ids."""
+    prompt_mask: Tensor
+    """``[N, P]`` 1 on real prompt tokens."""
+    completion_ids: Tensor
+    """``[N, C]`` right-padded completion ids."""
+    completion_mask: Tensor
+    """``[N, C]`` float, 1.0 up to and including the first EOS."""
+    texts: list[str]
+    """Decoded completions, special tokens removed."""
+    logprobs: Tensor | None = None
+    """``[N, C]`` the sampler's log-probs of the completion tokens when it reports them (vLLM),
+    for the importance-sampling correction; None from ``generate``."""
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, index: Tensor | slice) -> RolloutBatch:
+        """Rows ``index`` of the batch (texts follow)."""
+        rows = range(len(self))[index] if isinstance(index, slice) else index.tolist()
+        return RolloutBatch(
+            self.prompt_ids[index],
+            self.prompt_mask[index],
+            self.completion_ids[index],
+            self.completion_mask[index],
+            [self.texts[i] for i in rows],
+            None if self.logprobs is None else self.logprobs[index],
+        )
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of the rows of ``batches``: prompts re-padded on the left, completions on the
+    right, to the longest of each."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    length = max(b.completion_ids.shape[1] for b in batches)
+
+    def left(t: Tensor, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    def right(t: Tensor, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
+
+    return RolloutBatch(
+        torch.cat([left(b.prompt_ids, pad_id) for b in batches]),
+        torch.cat([left(b.prompt_mask, 0) for b in batches]),
+        torch.cat([right(b.completion_ids, pad_id) for b in batches]),
+        torch.cat([right(b.completion_mask, 0.0) for b in batches]),
+        [text for b in batches for text in b.texts],
+        None
+        if any(b.logprobs is None for b in batches)
+        else torch.cat([right(b.logprobs, 0.0) for b in batches]),
+    )
+
+
+def chat_prompts(tokenizer, questions: list[str]) -> list[str]:
+    """Wrap each question as a single user turn, ready for the assistant's reply."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    questions: list[str],
+    cfg: RolloutConfig,
+    *,
+    repeats: int = 1,
+    greedy: bool = False,
+    temperature: float | None = None,
+    synced: bool = False,
+) -> RolloutBatch:
+    """Sample ``repeats`` completions for each question (rows grouped by question).
+
+    Sampling draws from torch's global generator, which the trainer seeds and checkpoints.
+    ``synced`` keeps every rank decoding until all are done, as a sharded model requires.
+    """
+    texts = [p for p in chat_prompts(tokenizer, questions) for _ in range(repeats)]
+    device = next(model.parameters()).device
+    enc = tokenizer(
+        texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    temp = cfg.temperature if temperature is None else temperature
+    sampling = not greedy and temp > 0
+    if cfg.engine == "static" and not synced:
+        completion_ids = _static_generate(
+            model, tokenizer, prompt_ids, prompt_mask, cfg, sampling, temp
+        )
+        return _batch(tokenizer, prompt_ids, prompt_mask, completion_ids)
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        max_new_tokens=cfg.max_output_tokens,
+        min_new_tokens=cfg.min_output_tokens,
+        do_sample=sampling,
+        temperature=temp if sampling else None,
+        top_p=cfg.top_p if sampling else None,
+        top_k=cfg.top_k if sampling else None,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced,
+    )
+    return _batch(tokenizer, prompt_ids, prompt_mask, out[:, prompt_ids.shape[1] :])
+
+
+def _static_generate(model, tokenizer, prompt_ids, prompt_mask, cfg, sampling: bool, temp: float):
+    from pbt.algorithms.rollout.static import Sampling, decoder_for
+
+    decoder = decoder_for(
+        model,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        cuda_graphs=cfg.cuda_graphs,
+        compile=cfg.compile,
+    )
+    return decoder.generate(
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=cfg.max_output_tokens,
+        min_new_tokens=cfg.min_output_tokens,
+        sampling=Sampling(not sampling, cfg.top_k, cfg.top_p),
+        temperature=temp if sampling else 1.0,
+        autocast_dtype=getattr(model, "pbt_autocast_dtype", None),
+    )
+
+
+def _batch(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor):
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
+    decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, mask, decoded)
+
+
+def completion_mask(completion_ids: Tensor, eos_id: int) -> Tensor:
+    """``[N, C]`` float mask: 1.0 through the first EOS (inclusive), 0.0 after it."""
+    is_eos = completion_ids == eos_id
+    after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~after_eos).float()
+
+
+def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
+    """Log-probs ``[N, C]`` of the batch's completion tokens under ``model``.
+
+    Gradients flow when called outside ``torch.no_grad()``; the passes run under the model's
+    mixed precision (see :func:`~pbt.algorithms.models.set_mixed_precision`). The lean path (a plain linear
+    output layer, no logit post-processing): columns that are padding in every row are cut
+    off first, and the output layer's logits are never held for the whole batch: each chunk of
+    about :data:`LOGIT_CHUNK_BYTES` of float32 logits is computed, reduced to the target's
+    log-prob and freed, and recomputed in the backward pass. Otherwise the full logits.
+    """
+    trimmed, right = _trim_padding(batch)
+    head = _plain_output_layer(model)
+    with mixed_precision(model):
+        if head is None:
+            logp = _full_logits_logprobs(model, trimmed, temperature)
+        else:
+            logp = _lean_logprobs(model, head, trimmed, temperature)
+    return torch.nn.functional.pad(logp, (0, right)) if right else logp
+
+
+def _inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention, positions
+
+
+def _full_logits_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
+    input_ids, attention, positions = _inputs(batch)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+    prompt_len = batch.prompt_ids.shape[1]
+    # logits at position t predict token t + 1: the completion is predicted from prompt_len - 1 on.
+    completion_logits = logits[:, prompt_len - 1 : -1]  # [N, C, V]
+    return token_logprobs(completion_logits, batch.completion_ids, temperature)
+
+
+LOGIT_CHUNK_BYTES = 512 * 2**20
+"""Float32 logits held at once by the lean log-prob path."""
+
+
+def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperature: float):
+    """The output layer's forward swapped, for one call, for the chunked log-prob reduction:
+    its result leaves the root module as ``logits`` (``[N, C]``), so under FSDP2 the layer's
+    weight is gathered around it in the forward and again before the backward reaches it."""
+    input_ids, attention, positions = _inputs(batch)
+    targets = batch.completion_ids
+    length = targets.shape[1]
+
+    def forward(hidden: Tensor) -> Tensor:  # [N, C + 1, H]: the last C + 1 positions
+        return chunked_token_logprobs(hidden[:, :-1], head.weight, head.bias, targets, temperature)
+
+    head.forward = forward
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            logits_to_keep=length + 1,
+        )
+    finally:
+        del head.forward  # the class's forward again
+    return out.logits
+
+
+def chunked_token_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
+) -> Tensor:
+    """``token_logprobs(hidden @ weight.T + bias, targets, temperature)`` without holding the
+    ``[N, C, V]`` logits: rows go through in chunks of about :data:`LOGIT_CHUNK_BYTES` of float32
+    logits, each recomputed in the backward pass (activation checkpointing) when gradients are
+    on."""
+    n, c, width = hidden.shape
+    flat, wanted = hidden.reshape(n * c, width), targets.reshape(n * c)
+    chunk = max(64, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, n * c, chunk):
+        args = (flat[start : start + chunk], weight, bias, wanted[start : start + chunk])
+        if grads:
+            parts.append(
+                torch.utils.checkpoint.checkpoint(
+                    _chunk_logprobs, *args, temperature, use_reentrant=False
+                )
+            )
+        else:
+            parts.append(_chunk_logprobs(*args, temperature))
+    return torch.cat(parts).view(n, c) if parts else hidden.new_zeros((n, c), dtype=torch.float32)
+
+
+def _chunk_logprobs(hidden, weight, bias, targets, temperature: float) -> Tensor:
+    return token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
+
+
+def _plain_output_layer(model) -> torch.nn.Linear | None:
+    """The output layer when the lean path computes exactly what the model would: a plain
+    ``nn.Linear`` (not adapted) whose logits the model returns unchanged."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    config = getattr(base, "config", None)
+    post_processed = config is not None and (
+        getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None)
+    )
+    adapted = hasattr(head, "lora_A")  # peft wraps an adapted layer; its weight is not all of it
+    if post_processed or adapted or not isinstance(head, torch.nn.Linear):
+        return None
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    return head
+
+
+def _trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """The batch without prompt columns that are padding in every row (on the left) and
+    completion columns that are masked in every row (on the right), and how many of those."""
+    prompt_used = batch.prompt_mask.any(dim=0)
+    left = int(prompt_used.long().argmax()) if bool(prompt_used.any()) else 0
+    done = batch.completion_mask.any(dim=0)
+    keep = int(done.nonzero().max()) + 1 if bool(done.any()) else 1
+    right = batch.completion_ids.shape[1] - keep
+    if not left and not right:
+        return batch, 0
+    return (
+        RolloutBatch(
+            batch.prompt_ids[:, left:],
+            batch.prompt_mask[:, left:],
+            batch.completion_ids[:, :keep],
+            batch.completion_mask[:, :keep],
+            batch.texts,
+            None if batch.logprobs is None else batch.logprobs[:, :keep],
+        ),
+        right,
+    )

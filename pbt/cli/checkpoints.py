@@ -1,0 +1,71 @@
+"""``pbt inspect`` and ``pbt export``: read any checkpoint, verified, without training.
+
+These commands load torch (a checkpoint is torch data) but no model unless ``--merge`` asks
+for one; the controller never calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pbt.config.errors import PbtError
+
+
+def inspect_text(path: Path) -> str:
+    """Hyperparameters, lineage, fitness history, steps, tensor shapes and digest of a checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint fails verification (nothing is loaded then).
+    """
+    from pbt.algorithms.checkpoint import load_checkpoint
+
+    attrs = load_checkpoint(path)
+    trainable = attrs["trainable"]
+    params = sum(t.numel() for t in trainable.values())
+    lines = [
+        f"checkpoint {path}",
+        f"  digest (sha256 of manifest): {attrs['digest']}  [all file digests verified]",
+        f"  format version {attrs['format_version']}, algorithm {attrs['algorithm']}, base model {attrs['base_model']}",
+        f"  saved at world size {attrs.get('world_size', 1)}, step {attrs['step']}",
+        f"  lineage: {json.dumps(attrs['lineage'])}",
+        f"  fitness history: {[round(f, 4) for f in attrs['fitness']]}",
+        f"  hyperparameters: {json.dumps(attrs['hyperparameters'])}",
+        f"  LoRA: {json.dumps(attrs['lora_config'])}",
+        f"  trainable tensors: {len(trainable)} ({params:,} parameters)",
+    ]
+    for name, tensor in list(trainable.items())[:6]:
+        lines.append(f"    {name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}")
+    if len(trainable) > 6:
+        lines.append(f"    ... {len(trainable) - 6} more")
+    lines.append(
+        f"  optimizer state for {len(attrs['learner']['optimizer']['state'])} tensors, scheduler at step {attrs['learner']['scheduler'].get('last_epoch')}"
+    )
+    return "\n".join(lines)
+
+
+def export(path: Path, out: Path, merge: bool = False) -> Path:
+    """Write the checkpoint's adapter as a plain PEFT folder, or merged into its base model.
+
+    Raises:
+        PbtError: ``out`` exists, or the checkpoint fails verification.
+    """
+    from pbt.algorithms.checkpoint import ADAPTER_DIR, verify_checkpoint
+
+    if out.exists():
+        raise PbtError(f"{out} already exists; choose a new output folder")
+    verify_checkpoint(path)
+    if not merge:
+        shutil.copytree(path / ADAPTER_DIR, out)
+        return out
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((path / ADAPTER_DIR / "adapter_config.json").read_text())
+    base_path = config["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    merged = PeftModel.from_pretrained(base, path / ADAPTER_DIR).merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
+    return out

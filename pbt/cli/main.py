@@ -1,0 +1,189 @@
+"""The ``pbt`` command line.
+
+    pbt run [MANIFEST] [--dir DIR]   start a campaign (the built-in quickstart without a manifest)
+    pbt resume DIR                   continue a campaign from its last committed generation
+    pbt status DIR                   generation, members, fitness, hyperparameters, faults
+    pbt lineage DIR [--png FILE]     the family tree, as text and as a picture
+    pbt inspect CHECKPOINT           what a checkpoint holds, digests checked
+    pbt export CHECKPOINT OUT        the adapter as a PEFT folder (or --merge: a full model)
+    pbt ui DIR [--port P]            the MLflow UI on a campaign's (or population's) runs
+    pbt dashboard DIR [--port P]     optuna-dashboard on a campaign's studies
+    pbt train [MANIFEST]             train one member on its own
+    pbt check MANIFEST               validate a manifest
+
+User errors print one clear message and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from pbt import __version__
+from pbt.cli.checkpoints import export, inspect_text
+from pbt.cli.serve import serve_dashboard, serve_mlflow
+from pbt.config.errors import PbtError
+from pbt.config.loader import load_manifest
+from pbt.controller.campaign import Campaign
+from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
+from pbt.worker import train
+from pbt.worker.train import build_parser as train_parser
+from pbt.worker.train import default_manifest_path
+
+
+def _check(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    print(json.dumps(dataclasses.asdict(manifest), indent=2))
+    print(f"{args.manifest}: valid", file=sys.stderr)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+
+    train.run_member(train.resolve_manifest(args), resume=args.resume)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+
+    manifest = args.manifest or default_manifest_path()
+    directory = Path(args.dir or f"runs/campaign-{time.strftime('%Y%m%d-%H%M%S')}")
+    campaign = Campaign.start(manifest, directory)
+    print(f"campaign {directory}: started from {manifest}")
+    return _drive(campaign)
+
+
+def _resume(args: argparse.Namespace) -> int:
+
+    campaign = Campaign.resume(args.dir)
+    print(
+        f"campaign {args.dir}: resuming after generation {campaign.store.last_committed_generation()}"
+    )
+    return _drive(campaign)
+
+
+def _drive(campaign) -> int:
+
+    try:
+        summary = campaign.run()
+    finally:
+        campaign.close()
+    print(f"\nstopped: {summary.stop_reason}")
+    print(
+        f"best member {summary.best_member}: fitness {summary.best_fitness:.3f}, checkpoint {campaign.dir / summary.best_checkpoint}"
+    )
+    print("\nlineage of the best member:")
+    print(lineage_text(campaign.dir, summary.best_member))
+    print("\nfitness by generation:")
+    print(fitness_curve_text(campaign.dir))
+    print(f"\nmore: pbt status {campaign.dir} | pbt lineage {campaign.dir}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+
+    print(status_text(Path(args.dir)))
+    return 0
+
+
+def _lineage(args: argparse.Namespace) -> int:
+
+    print(lineage_text(Path(args.dir)))
+    png = Path(args.png or Path(args.dir) / "lineage.png")
+    lineage_png(Path(args.dir), png)
+    print(f"\nwrote {png}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+
+    print(inspect_text(Path(args.checkpoint)))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+
+    out = export(Path(args.checkpoint), Path(args.out), merge=args.merge)
+    print(f"exported {'merged model' if args.merge else 'PEFT adapter'} to {out}")
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+
+    return serve_mlflow(Path(args.dir), args.port)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+
+    return serve_dashboard(Path(args.dir), args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pbt`` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="pbt", description="Population-based training for LLM RL."
+    )
+    parser.add_argument("--version", action="version", version=f"pbt-llm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start a campaign")
+    run.add_argument("manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)")
+    run.add_argument("--dir", help="campaign directory (default: runs/campaign-<time>)")
+    run.set_defaults(func=_run)
+    for name, func, text in (
+        ("resume", _resume, "continue a campaign"),
+        ("status", _status, "show a campaign's state"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir")
+        p.set_defaults(func=func)
+    lineage = sub.add_parser("lineage", help="show the family tree")
+    lineage.add_argument("dir")
+    lineage.add_argument("--png", help="where to write the picture (default: DIR/lineage.png)")
+    lineage.set_defaults(func=_lineage)
+    inspect = sub.add_parser("inspect", help="show what a checkpoint holds")
+    inspect.add_argument("checkpoint")
+    inspect.set_defaults(func=_inspect)
+    export = sub.add_parser("export", help="export a checkpoint's adapter")
+    export.add_argument("checkpoint")
+    export.add_argument("out")
+    export.add_argument(
+        "--merge", action="store_true", help="merge into the base model and save it whole"
+    )
+    export.set_defaults(func=_export)
+
+    for name, func, text, port in (
+        ("ui", _ui, "open the MLflow UI on a campaign's runs (localhost only)", 5000),
+        ("dashboard", _dashboard, "open optuna-dashboard on a campaign's studies", 8080),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir")
+        p.add_argument("--port", type=int, default=port)
+        p.set_defaults(func=func)
+
+    train_parser(sub.add_parser("train", help="train one member")).set_defaults(func=_train)
+    check = sub.add_parser("check", help="validate a manifest")
+    check.add_argument("manifest")
+    check.set_defaults(func=_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pbt`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PbtError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: resume with pbt resume DIR", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The algorithm: which one, its loss and its hyperparameters, and which of them mutate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pbt.config.rules import positive
+
+MUTABLE_HYPERPARAMETERS: dict[str, str] = {
+    "lr": "optim",
+    "beta": "algorithm",
+    "clip_low": "algorithm",
+    "clip_high": "algorithm",
+    "temperature": "rollout",
+    "max_grad_norm": "optim",
+    "vf_coef": "algorithm",
+    "value_clip": "algorithm",
+}
+"""Hyperparameters a mutation may change between generations without breaking the run, each
+with the manifest section whose field of the same name holds it."""
+
+
+ALGORITHMS = ("GRPO", "REINFORCE", "PPO", "SFT", "DPO")
+
+
+MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
+    "GRPO": ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm"),
+    "REINFORCE": ("lr", "beta", "temperature", "max_grad_norm"),
+    "PPO": (
+        "lr",
+        "beta",
+        "clip_low",
+        "clip_high",
+        "temperature",
+        "max_grad_norm",
+        "vf_coef",
+        "value_clip",
+    ),
+    "SFT": ("lr", "max_grad_norm"),
+    "DPO": ("lr", "beta", "max_grad_norm"),
+}
+"""Which hyperparameters mutate for each algorithm: the clip range means nothing to REINFORCE
+(no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
+
+
+RL_ALGORITHMS = ("GRPO", "REINFORCE", "PPO")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The algorithm and its settings; each field says which algorithms read it.
+
+    ``GRPO`` (and its family through ``loss``) and ``REINFORCE`` learn from sampled completions
+    and a reward; ``SFT`` from prompt/response pairs; ``DPO`` from chosen/rejected pairs.
+    """
+
+    name: Literal["GRPO", "REINFORCE", "PPO", "SFT", "DPO"] = "GRPO"
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo", "gspo"] = "grpo"
+    """GRPO's objective: ``grpo`` (clipped ratio, std-normalised group advantages),
+    ``dr_grpo`` (no std and no length normalisation), ``dapo`` (token-level, asymmetric clip:
+    set ``clip_high`` ~0.28), ``cispo`` (clipped, detached importance weight times log-prob),
+    ``gspo`` (sequence-level ratio; its paper uses clip ranges near 3e-4)."""
+    baseline: Literal["group_mean", "rloo"] = "group_mean"
+    """REINFORCE's baseline: the group's mean reward, or leave-one-out (RLOO)."""
+    overlong_buffer: int = 0
+    """GRPO/REINFORCE: completions within this many tokens of ``max_output_tokens`` lose reward
+    linearly, down to ``-overlong_penalty`` at the limit (DAPO's soft overlong punishment);
+    0 disables."""
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False
+    """GRPO/REINFORCE: drop groups whose rewards are all equal and sample more prompts until
+    the batch is full (DAPO), at most ``max_resamples`` extra rounds a step."""
+    max_resamples: int = 4
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are relative within each group."""
+    prompts_per_step: int = 4
+    """Prompts per training step (each repeated ``group_size`` times)."""
+    beta: float = 0.0
+    """KL penalty coefficient against the reference (adapter disabled); 0 skips the reference pass."""
+    clip_low: float = 0.2
+    """Lower clip: the ratio is kept above ``1 - clip_low``."""
+    clip_high: float = 0.2
+    """Upper clip: the ratio is kept below ``1 + clip_high``."""
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
+    """``token-mean`` averages over every token of the mini-batch; ``sequence-mean`` averages
+    each sequence's tokens, then the sequences."""
+    update_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int | None = None
+    """Completions per optimizer step; default: the whole rollout batch."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward (gradient accumulation); default: the mini-batch."""
+    advantage_eps: float = 1e-4
+    """Added to the group standard deviation before dividing."""
+    vf_coef: float = 0.5
+    """PPO: weight of the value (critic) loss added to the policy loss."""
+    value_clip: float = 0.2
+    """PPO: new values are kept within ``value_clip`` of the values at rollout time in the
+    clipped value loss."""
+    gamma: float = 1.0
+    """PPO: discount per completion token in GAE (1.0: no discount)."""
+    lam: float = 0.95
+    """PPO: GAE's lambda, trading the critic's bias (0) for the returns' variance (1)."""
+
+    @property
+    def batch_completions(self) -> int:
+        """Sequences per training step (derived): completions for GRPO and REINFORCE, examples
+        for SFT and DPO."""
+        if self.name not in RL_ALGORITHMS:
+            return self.prompts_per_step
+        return self.prompts_per_step * self.group_size
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.name == "DPO" and self.beta <= 0:
+            problems.append(
+                f"{prefix}.beta ({self.beta}) must be > 0 for DPO: it scales the implicit "
+                "reward; 0.1 is usual"
+            )
+        if self.name == "REINFORCE" and self.update_epochs != 1:
+            problems.append(
+                f"{prefix}.update_epochs ({self.update_epochs}) must be 1 for REINFORCE, which "
+                "is on-policy (no importance ratio); use GRPO for several passes"
+            )
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            problems.append(
+                f"{prefix}.overlong_buffer ({self.overlong_buffer}) and overlong_penalty "
+                f"({self.overlong_penalty}) must be >= 0; 0 disables the penalty"
+            )
+        if self.max_resamples < 0:
+            problems.append(f"{prefix}.max_resamples ({self.max_resamples}) must be >= 0")
+        if self.name not in RL_ALGORITHMS:
+            positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
+            return problems + self._check_batches(prefix)
+        if self.name == "PPO":
+            problems += self._check_ppo(prefix)
+        elif self.group_size < 2:
+            problems.append(
+                f"{prefix}.group_size ({self.group_size}) must be >= 2: a group of one has no "
+                "relative advantage; use 4 to 16"
+            )
+        positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
+        if self.beta < 0:
+            problems.append(f"{prefix}.beta ({self.beta}) must be >= 0 (0 disables the KL term)")
+        for key in ("clip_low", "clip_high"):
+            value = getattr(self, key)
+            if not 0.0 < value < 10.0:
+                problems.append(f"{prefix}.{key} ({value}) must be in (0, 10); 0.2 is usual")
+        if self.clip_low >= 1.0:
+            problems.append(
+                f"{prefix}.clip_low ({self.clip_low}) must be < 1 (the ratio is positive)"
+            )
+        positive(problems, f"{prefix}.update_epochs", self.update_epochs)
+        positive(problems, f"{prefix}.advantage_eps", self.advantage_eps)
+        problems += self._check_batches(prefix)
+        return problems
+
+    def _check_ppo(self, prefix: str) -> list[str]:
+        problems = [] if self.group_size >= 1 else [
+            f"{prefix}.group_size ({self.group_size}) must be >= 1 (the critic gives PPO its "
+            "baseline); use 4 to 16 to keep batches comparable with GRPO"
+        ]  # fmt: skip
+        problems += [
+            f"{prefix}.{key} ({getattr(self, key)}) must be in [0, 1]; {usual} is usual"
+            for key, usual in (("gamma", 1.0), ("lam", 0.95))
+            if not 0.0 <= getattr(self, key) <= 1.0
+        ]
+        if self.vf_coef < 0:
+            problems.append(f"{prefix}.vf_coef ({self.vf_coef}) must be >= 0; 0.5 is usual")
+        positive(problems, f"{prefix}.value_clip", self.value_clip, "0.2 is usual")
+        if self.dynamic_sampling:
+            problems.append(
+                f"{prefix}.dynamic_sampling is for the GRPO family (it drops groups without "
+                "reward spread); PPO's critic gives every completion a signal: set it to false"
+            )
+        return problems
+
+    def _check_batches(self, prefix: str) -> list[str]:
+        if self.group_size < 1 or self.prompts_per_step < 1:
+            return []
+        per_step = (
+            "prompts_per_step * group_size"
+            if self.name in RL_ALGORITHMS
+            else "prompts_per_step, the examples per step"
+        )
+        total = self.batch_completions
+        mini = self.mini_batch_size if self.mini_batch_size is not None else total
+        problems: list[str] = []
+        if mini < 1 or total % mini:
+            problems.append(
+                f"{prefix}.mini_batch_size ({mini}) must divide the completions per step "
+                f"({per_step} = {total}); pick a divisor of {total}"
+            )
+        micro = self.micro_batch_size if self.micro_batch_size is not None else mini
+        if micro < 1 or (mini >= 1 and mini % micro):
+            problems.append(
+                f"{prefix}.micro_batch_size ({micro}) must divide mini_batch_size ({mini}); "
+                f"pick a divisor of {mini}"
+            )
+        return problems

@@ -1,0 +1,217 @@
+"""The campaign sections: population, mutation, search, budget, launch and tracking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pbt.config.rules import positive
+
+
+@dataclass(kw_only=True, slots=True)
+class PopulationConfig:
+    """The population of a campaign and how it is selected."""
+
+    size: int = 4
+    tournament_size: int = 2
+    elitism: bool = True
+    """Keep the best member unchanged into the next generation."""
+    fitness_window: int = 1
+    """Fitness is the mean of this many latest evaluations."""
+    evo_steps: int = 10
+    """Training steps of each member between two selections."""
+    init_sampler: Literal["none", "random", "qmc", "tpe"] = "none"
+    """How generation 0's hyperparameters are drawn from the mutation ranges (log-uniform where
+    a range says ``log``): ``none`` keeps the manifest's values for every member, ``random``
+    samples independently, ``qmc`` spreads the population evenly (scrambled Sobol), ``tpe``
+    learns from ``warm_start``'s trials."""
+    warm_start: str | None = None
+    """An earlier campaign's directory whose Optuna study seeds ``tpe`` (relative to the
+    manifest's folder)."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.warm_start is not None and self.init_sampler != "tpe":
+            problems.append(
+                f"{prefix}.warm_start ({self.warm_start!r}) only informs init_sampler: tpe, "
+                f"but init_sampler is {self.init_sampler!r}; set init_sampler: tpe or drop "
+                "warm_start"
+            )
+        positive(problems, f"{prefix}.size", self.size)
+        positive(problems, f"{prefix}.evo_steps", self.evo_steps)
+        positive(problems, f"{prefix}.fitness_window", self.fitness_window)
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class MutationConfig:
+    """How a selected parent's hyperparameters change in its child."""
+
+    no_mutation: float = 0.4
+    """Relative probability of leaving the child's hyperparameters as the parent's."""
+    rl_hp: float = 0.6
+    """Relative probability of changing one hyperparameter."""
+    mutate_elite: bool = False
+    resample_probability: float = 0.0
+    """Chance that a changed hyperparameter is drawn afresh from its range instead of scaled."""
+    ranges: dict[str, dict[str, object]] = field(
+        default_factory=lambda: {"lr": {"min": 1e-6, "max": 1e-2, "log": True}}
+    )
+    """Per hyperparameter: ``{min, max, grow_factor: 1.2, shrink_factor: 0.8, log, dtype}``;
+    by default only the learning rate mutates."""
+
+    def check(self, prefix: str) -> list[str]:
+        return []  # with the ranges: pbt.config.ranges.campaign_problems
+
+
+@dataclass(kw_only=True, slots=True)
+class SearchConfig:
+    """The search strategy: population-based training, or Optuna trials from scratch."""
+
+    strategy: Literal["pbt", "optuna"] = "pbt"
+    """``pbt``: tournament selection and mutation every generation. ``optuna``: every member is
+    an Optuna trial trained from scratch for ``trial_generations`` generations, its fitness
+    reported after each; pruned and finished trials make way for new ones."""
+    sampler: Literal["tpe", "gp", "random", "qmc"] = "tpe"
+    """How the ``optuna`` strategy picks each new trial's hyperparameters."""
+    pruner: Literal["median", "hyperband", "none"] = "median"
+    trial_generations: int = 4
+    """Generations one trial trains at most (the pruner's full budget)."""
+    startup_trials: int = 4
+    """Trials completed before the pruner and the sampler start deciding."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.trial_generations", self.trial_generations)
+        if self.startup_trials < 0:
+            problems.append(f"{prefix}.startup_trials ({self.startup_trials}) must be >= 0")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingConfig:
+    """Where a campaign's runs, metrics and artifacts are logged (MLflow)."""
+
+    enabled: bool = True
+    uri: str | None = None
+    """A tracking server (``http://host:5000``) or store URI; default an embedded SQLite store,
+    ``<campaign>/mlflow.db``."""
+    experiment: str | None = None
+    """Default: ``campaign <campaign directory>``."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.uri is not None and "://" not in self.uri:
+            problems.append(
+                f"{prefix}.uri ({self.uri!r}) must be a URI such as http://127.0.0.1:5000 or "
+                "sqlite:///path/mlflow.db; leave it unset for the campaign's own store"
+            )
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
+class BudgetConfig:
+    """When a campaign stops: the first limit reached."""
+
+    generations: int = 3
+    total_steps: int | None = None
+    """Training steps summed over all members."""
+    wall_time_s: float | None = None
+    gpu_hours: float | None = None
+    target_fitness: float | None = None
+    """Stop as soon as the best member reaches this fitness."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.generations", self.generations)
+        for key in ("total_steps", "wall_time_s", "gpu_hours"):
+            value = getattr(self, key)
+            if value is not None:
+                positive(problems, f"{prefix}.{key}", value)
+        return problems
+
+
+MIN_MEMORY_LIMIT_GIB = 0.25
+"""The lowest ``launch.memory_limit_gib``: below it not even a small member program starts."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """How member tasks are run."""
+
+    gpus_per_member: int = 0
+    """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
+    nproc_per_member: int = 1
+    """Ranks per member when ``gpus_per_member`` is 0 (CPU processes)."""
+    slots: int = 1
+    """Members trained at once; more wait in a queue."""
+    gpu_ids: list[int] | None = None
+    """GPUs the campaign may use; default ``0 .. slots * gpus_per_member - 1``."""
+    max_attempts: int = 2
+    """Attempts of a failing member before it is replaced by a clone of the elite."""
+    heartbeat_timeout_s: float = 300.0
+    task_timeout_s: float | None = None
+    memory_limit_gib: float | None = None
+    """The most host memory (GiB) each process of a member may allocate: its heap and private
+    mappings (``RLIMIT_DATA``), not GPU memory. Past it an allocation fails, the member is
+    recorded as ``out_of_memory`` and retried or replaced, and the machine stays responsive
+    for the other members. Unset: no limit."""
+    persistent_workers: bool = False
+    """Keep one worker group per slot alive for the whole campaign: the base model loads once
+    per slot, and the next member costs an adapter, optimizer and RNG load (megabytes), not a
+    process start and a model load. A member that fails takes its worker down; a fresh one
+    serves the next task."""
+
+    @property
+    def ranks(self) -> int:
+        """Processes in each member's torchrun group (derived)."""
+        return self.gpus_per_member or self.nproc_per_member
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.gpus_per_member < 0:
+            problems.append(f"{prefix}.gpus_per_member ({self.gpus_per_member}) must be >= 0")
+        positive(problems, f"{prefix}.nproc_per_member", self.nproc_per_member)
+        positive(problems, f"{prefix}.slots", self.slots)
+        positive(problems, f"{prefix}.max_attempts", self.max_attempts)
+        positive(problems, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.memory_limit_gib is not None and self.memory_limit_gib < MIN_MEMORY_LIMIT_GIB:
+            problems.append(
+                f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) must be at least "
+                f"{MIN_MEMORY_LIMIT_GIB} GiB (a member process imports torch in about half a "
+                "GiB); raise it, or leave it unset for no limit"
+            )
+        if self.gpu_ids is not None and len(self.gpu_ids) < self.slots * self.gpus_per_member:
+            problems.append(
+                f"{prefix}.gpu_ids has {len(self.gpu_ids)} GPUs but slots * gpus_per_member = "
+                f"{self.slots * self.gpus_per_member}; list more GPUs or lower slots"
+            )
+        return problems
+
+
+def selection_problems(
+    tournament_size: int, elitism: bool, population_size: int, fitness_window: int
+) -> list[str]:
+    """The rules of tournament selection's arguments, each naming its ``population.`` key."""
+    problems = []
+    for key, value in (
+        ("tournament_size", tournament_size),
+        ("population_size", population_size),
+        ("fitness_window", fitness_window),
+    ):
+        if not is_int(value) or value < 1:
+            problems.append(
+                f"population.{key} ({value!r}) must be an integer >= 1; set {key} to 1 or more"
+            )
+    if not isinstance(elitism, bool):
+        problems.append(f"population.elitism ({elitism!r}) must be true or false; set a boolean")
+    if not problems and tournament_size > population_size:
+        problems.append(
+            f"population.tournament_size ({tournament_size}) must be <= population_size "
+            f"({population_size}); lower tournament_size"
+        )
+    return problems
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

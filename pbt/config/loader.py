@@ -1,0 +1,267 @@
+"""Load a YAML manifest (or an AgileRL-style ``INIT_HP`` dict) into a typed :class:`Manifest`.
+
+Every problem is collected before anything is raised: unknown keys (with the nearest valid key
+suggested), wrong types, and the value rules each config's ``check()`` states. The result is one
+:class:`~pbt.errors.ConfigError` listing all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from pbt.config.errors import ConfigError
+from pbt.config.manifest import Manifest
+from pbt.config.ranges import campaign_problems
+
+# AgileRL's INIT_HP spelling -> (section, field). CLIP_COEF sets both clip bounds.
+INIT_HP_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "ALGO": (("algorithm", "name"),),
+    "LR": (("optim", "lr"),),
+    "MAX_GRAD_NORM": (("optim", "max_grad_norm"),),
+    "BETA": (("algorithm", "beta"),),
+    "GROUP_SIZE": (("algorithm", "group_size"),),
+    "CLIP_COEF": (("algorithm", "clip_low"), ("algorithm", "clip_high")),
+    "BATCH_SIZE": (("algorithm", "micro_batch_size"),),
+    "BATCH_SIZE_PER_GPU": (("algorithm", "micro_batch_size"),),
+    "DATA_BATCH_SIZE_PER_GPU": (("algorithm", "prompts_per_step"),),
+    "UPDATE_EPOCHS": (("algorithm", "update_epochs"),),
+    "TEMPERATURE": (("rollout", "temperature"),),
+    "MAX_OUTPUT_TOKENS": (("rollout", "max_output_tokens"),),
+    "MIN_OUTPUT_TOKENS": (("rollout", "min_output_tokens"),),
+    "FSDP": (("distributed", "fsdp"),),
+    "SEED": (("training", "seed"),),
+    "POP_SIZE": (("population", "size"),),
+    "TOURNAMENT_SIZE": (("population", "tournament_size"),),
+    "ELITISM": (("population", "elitism"),),
+    "EVO_STEPS": (("population", "evo_steps"),),
+}
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a YAML manifest file and validate it.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, or any key or value breaks a rule.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(
+            [f"cannot read {path}: {err.strerror}; check the path"], str(path)
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"top level must be a mapping of sections, got {type(data).__name__}"], str(path)
+        )
+    return manifest_from_dict(data, base_dir=path.resolve().parent, source=str(path))
+
+
+def manifest_from_dict(
+    data: dict[str, Any], base_dir: str | Path = ".", source: str = "manifest"
+) -> Manifest:
+    """Validate a manifest given as a dict of sections, optionally with an ``INIT_HP`` entry."""
+    data = copy.deepcopy(data)  # INIT_HP is merged into the sections: never the caller's dicts
+    problems: list[str] = []
+    init_hp = data.pop("INIT_HP", None)
+    if init_hp is not None:
+        problems += merge_init_hp(data, init_hp)
+    data["base_dir"] = str(base_dir)
+    manifest = _build(Manifest, data, "", problems)
+    if manifest is not None:
+        # Fields that failed their type check kept their defaults, so the value rules below
+        # report only real problems; every problem still comes out in one error.
+        problems += manifest.check()
+        if not problems:
+            problems += campaign_problems(manifest)
+    if problems:
+        raise ConfigError(problems, source)
+    assert manifest is not None
+    return manifest
+
+
+def merge_init_hp(sections: dict[str, Any], init_hp: Any) -> list[str]:
+    """Fold an AgileRL-style ``INIT_HP`` dict into manifest ``sections`` in place.
+
+    A key given both in ``INIT_HP`` and in its section is a contradiction, reported, not resolved.
+    """
+    if not isinstance(init_hp, dict):
+        return [f"INIT_HP must be a mapping like {{LR: 1e-5, GROUP_SIZE: 8}}, got {init_hp!r}"]
+    problems: list[str] = []
+    for key, value in init_hp.items():
+        targets = INIT_HP_KEYS.get(str(key))
+        if targets is None:
+            problems.append(f"INIT_HP.{key} is not a known key{_suggest(str(key), INIT_HP_KEYS)}")
+            continue
+        for section, name in targets:
+            block = sections.setdefault(section, {})
+            if not isinstance(block, dict):
+                continue  # reported when the section itself is built
+            if name in block and block[name] != value:
+                problems.append(
+                    f"INIT_HP.{key} ({value!r}) contradicts {section}.{name} ({block[name]!r}); "
+                    "give it in one place"
+                )
+            block[name] = value
+    return problems
+
+
+def _suggest(key: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    if not close and key.upper() != key:
+        close = difflib.get_close_matches(key.lower(), [v.lower() for v in valid], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _suggest_key(cls: type, key: str, fields: typing.Iterable[str]) -> str:
+    """Suggest a near spelling, or the section a misplaced key belongs to."""
+    if cls is not Manifest:
+        hints = typing.get_type_hints(Manifest)
+        for section in (f.name for f in dataclasses.fields(Manifest)):
+            other = hints[section]
+            if (
+                dataclasses.is_dataclass(other)
+                and other is not cls
+                and key in {f.name for f in dataclasses.fields(other)}
+            ):
+                return f"; it belongs in the {section} section ({section}.{key})"
+    return _suggest(key, fields)
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    """Construct dataclass ``cls`` from ``data``, appending problems instead of raising."""
+    where = prefix or "manifest"
+    if not isinstance(data, dict):
+        problems.append(f"{where} must be a mapping, got {type(data).__name__} {data!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key not in fields:
+            problems.append(
+                f"{_join(prefix, key)} is not a known key{_suggest_key(cls, key, fields)}"
+            )
+            continue
+        before = len(problems)
+        ok, converted = _coerce(value, hints[key], _join(prefix, key), problems)
+        if ok:
+            kwargs[key] = converted
+        elif len(problems) == before + 1:
+            problems[-1] += _fix_hint(fields[key], hints[key], value)
+    missing = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and name not in data
+    ]
+    for name in missing:
+        problems.append(f"{_join(prefix, name)} is required")
+    if missing:
+        return None
+    return cls(**kwargs)
+
+
+def _fix_hint(field: dataclasses.Field, hint: Any, value: Any) -> str:
+    """What to write instead of a value of the wrong type: the nearest allowed choice, or the
+    field's default as an example."""
+    if typing.get_origin(hint) is Literal:
+        choices = [str(a) for a in typing.get_args(hint)]
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+        return f"; did you mean {close[0]!r}?" if close else ""
+    default = field.default
+    if isinstance(default, (bool, int, float, str)):
+        return f"; e.g. {field.name}: {yaml.safe_dump(default).splitlines()[0]}"
+    return ""
+
+
+def _coerce(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool, Any]:
+    """Check ``value`` against type ``hint``; return (ok, value converted)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return True, None
+        for arg in (a for a in args if a is not type(None)):
+            scratch: list[str] = []
+            ok, converted = _coerce(value, arg, key, scratch)
+            if ok and not scratch:
+                return True, converted
+        problems.append(f"{key} ({value!r}) must be {_describe(hint)}")
+        return False, None
+    if origin is Literal:
+        if value in args:
+            return True, value
+        problems.append(f"{key} ({value!r}) must be one of {', '.join(map(repr, args))}")
+        return False, None
+    if dataclasses.is_dataclass(hint):
+        built = _build(hint, value, key, problems)
+        return built is not None, built
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{key} ({value!r}) must be a list of {_describe(args[0])}")
+            return False, None
+        items = [_coerce(v, args[0], f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        if isinstance(value, dict):
+            return True, dict(value)
+        problems.append(f"{key} ({value!r}) must be a mapping")
+        return False, None
+    return _coerce_scalar(value, hint, key, problems)
+
+
+def _coerce_scalar(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool, Any]:
+    if hint is bool and isinstance(value, bool):
+        return True, value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return True, value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads `5e-4` (no dot) as a string; accept it as the number it means.
+            try:
+                return True, float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, str):
+        return True, value
+    problems.append(f"{key} ({value!r}) must be {_describe(hint)}")
+    return False, None
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint is type(None):
+        return "null"
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key

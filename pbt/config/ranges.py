@@ -1,0 +1,166 @@
+"""Hyperparameter ranges: where each mutable hyperparameter may go and how it moves."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from pbt.config.algorithm import MUTABLE_BY_ALGORITHM, MUTABLE_HYPERPARAMETERS
+from pbt.config.campaign import selection_problems
+from pbt.config.errors import ConfigError
+from pbt.config.manifest import Manifest
+
+
+@dataclass(kw_only=True, slots=True)
+class HPRange:
+    """Where one hyperparameter may go and how it moves."""
+
+    min: float
+    """Smallest allowed value; results are clipped up to it."""
+    max: float
+    """Largest allowed value; results are clipped down to it."""
+    grow_factor: float = 1.2
+    """Multiplier for an upward step; must be > 1."""
+    shrink_factor: float = 0.8
+    """Multiplier for a downward step; must be in (0, 1)."""
+    log: bool = False
+    """Resample log-uniformly (for scales such as learning rates); needs ``min > 0``."""
+    dtype: Literal["float", "int"] = "float"
+    """``int`` rounds every result to the nearest integer."""
+
+    def check(self, key: str) -> list[str]:
+        """Problems with this range, each naming ``key.<field>``, the value, rule and fix.
+
+        Args:
+            key: Dotted path of this range in the config, e.g. ``mutation.ranges.lr``.
+        """
+        fields = (self.min, self.max, self.grow_factor, self.shrink_factor)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in fields):
+            return [
+                f"{key} (min={self.min!r}, max={self.max!r}, grow_factor={self.grow_factor!r}, "
+                f"shrink_factor={self.shrink_factor!r}) must all be finite numbers; fix them"
+            ]
+        problems = []
+        if self.min >= self.max:
+            problems.append(
+                f"{key}.min ({self.min}) must be < {key}.max ({self.max}); lower min or raise max"
+            )
+        if self.log and self.min <= 0:
+            problems.append(
+                f"{key}.min ({self.min}) must be > 0 when log is true; raise min or set log: false"
+            )
+        if not 0 < self.shrink_factor < 1:
+            problems.append(
+                f"{key}.shrink_factor ({self.shrink_factor}) must be in (0, 1); use e.g. 0.8"
+            )
+        if not self.grow_factor > 1:
+            problems.append(f"{key}.grow_factor ({self.grow_factor}) must be > 1; use e.g. 1.2")
+        if self.dtype not in ("float", "int"):
+            problems.append(f"{key}.dtype ({self.dtype!r}) must be 'float' or 'int'; pick one")
+        return problems
+
+    def clip_cast(self, value: float) -> float | int:
+        """``value`` clipped to ``[min, max]``, rounded to an int when ``dtype`` is ``int``."""
+        clipped = min(max(value, self.min), self.max)
+        return round(clipped) if self.dtype == "int" else float(clipped)
+
+    def resample(self, rng: random.Random) -> float:
+        """A fresh value from the range: uniform, or log-uniform when ``log`` is set."""
+        if self.log:
+            return math.exp(rng.uniform(math.log(self.min), math.log(self.max)))
+        return rng.uniform(self.min, self.max)
+
+
+def base_hyperparameters(manifest: Manifest) -> dict[str, float]:
+    """The algorithm's mutable hyperparameters' starting values, as the manifest sets them."""
+    return {
+        name: getattr(getattr(manifest, MUTABLE_HYPERPARAMETERS[name]), name)
+        for name in MUTABLE_BY_ALGORITHM[manifest.algorithm.name]
+    }
+
+
+def hp_ranges(manifest: Manifest) -> dict[str, HPRange]:
+    """The mutation ranges of the manifest, typed and checked.
+
+    Raises:
+        ConfigError: a range names a hyperparameter that cannot mutate, or has bad fields.
+    """
+    ranges, problems = _typed_ranges(manifest)
+    for name, r in sorted(ranges.items()):
+        problems += r.check(f"mutation.ranges.{name}")
+    if problems:
+        raise ConfigError(problems)
+    return ranges
+
+
+def _typed_ranges(manifest: Manifest) -> tuple[dict[str, HPRange], list[str]]:
+    problems: list[str] = []
+    ranges: dict[str, HPRange] = {}
+    fields = {f.name for f in dataclasses.fields(HPRange)}
+    optional = ", ".join(sorted(fields - {"min", "max"}))
+    for name, spec in manifest.mutation.ranges.items():
+        key = f"mutation.ranges.{name}"
+        mutable = MUTABLE_BY_ALGORITHM[manifest.algorithm.name]
+        if name not in mutable:
+            problems.append(
+                f"{key} is not a mutable hyperparameter of {manifest.algorithm.name}; "
+                f"mutable: {', '.join(mutable)}"
+            )
+        elif not isinstance(spec, dict) or not {"min", "max"} <= set(spec) or set(spec) - fields:
+            problems.append(
+                f"{key} ({spec!r}) must be a mapping with min and max (optional: {optional})"
+            )
+        else:
+            ranges[name] = HPRange(**spec)
+    return ranges, problems
+
+
+def probability_problems(no_mutation: float, rl_hp: float, resample: float) -> list[str]:
+    """The rules of the mutation probabilities, each naming its ``mutation.`` key."""
+    problems = []
+    for key, value in (
+        ("no_mutation", no_mutation),
+        ("rl_hp", rl_hp),
+        ("resample_probability", resample),
+    ):
+        if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            problems.append(
+                f"mutation.{key} ({value!r}) must be a probability in [0, 1]; set {key} in [0, 1]"
+            )
+    if not problems and no_mutation + rl_hp <= 0:
+        problems.append(
+            f"mutation.no_mutation ({no_mutation}) + mutation.rl_hp ({rl_hp}) must be > 0; "
+            "raise one of them"
+        )
+    return problems
+
+
+def mutation_problems(
+    ranges: dict[str, HPRange], no_mutation: float, rl_hp: float, resample_probability: float
+) -> list[str]:
+    """The rules of mutation's arguments: probabilities, and ranges to mutate when it mutates."""
+    problems = probability_problems(no_mutation, rl_hp, resample_probability)
+    if not ranges and isinstance(rl_hp, (int, float)) and rl_hp > 0:
+        problems.append(
+            f"mutation.ranges ({ranges!r}) must name at least one hyperparameter when "
+            f"mutation.rl_hp ({rl_hp}) > 0; add a range or set rl_hp: 0"
+        )
+    for name in sorted(ranges):
+        problems += ranges[name].check(f"mutation.ranges.{name}")
+    return problems
+
+
+def campaign_problems(manifest: Manifest) -> list[str]:
+    """Problems of the campaign sections that involve more than one field: the tournament
+    against the population, and the mutation ranges against the algorithm."""
+    pop, mut = manifest.population, manifest.mutation
+    problems = selection_problems(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
+    ranges, range_problems = _typed_ranges(manifest)
+    if range_problems:
+        return problems + range_problems
+    return problems + mutation_problems(
+        ranges, mut.no_mutation, mut.rl_hp, mut.resample_probability
+    )

@@ -1,0 +1,138 @@
+"""Rollouts: the engine that samples completions and its settings (HF, static, vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pbt.config.model import Dtype
+from pbt.config.rules import positive
+
+VLLM_OWN_KEYS = (
+    "model",
+    "tokenizer",
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
+    "seed",
+    "logprobs_mode",
+    "distributed_executor_backend",
+    "enable_sleep_mode",
+)
+"""Engine arguments the vLLM rollout sets itself; ``engine_kwargs`` may not override them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    """The colocated vLLM engine of ``rollout.engine: vllm``: one per process, sharing the
+    device with training, serving the adapter of every member the process holds."""
+
+    gpu_memory_utilization: float = 0.3
+    """Share of each GPU vLLM may take for weights and KV cache; the rest is training's."""
+    tensor_parallel_size: int = 1
+    """1: each rank runs its own engine on its share of the prompts. The member's rank count:
+    one engine sharded over all of them (every rank sees every completion)."""
+    max_num_seqs: int = 256
+    """Sequences decoded at once."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens; default the model's own limit."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (a group's completions share their prompt)."""
+    sleep_mode: bool = True
+    """Free the KV cache and offload the weights while the optimizer runs, where the platform
+    supports it (CUDA); ignored, with a note in the log, where it does not (CPU)."""
+    dtype: Dtype = "auto"
+    """The engine's dtype; ``auto`` follows ``model.dtype``."""
+    enforce_eager: bool = False
+    """Skip CUDA graph capture: slower decoding, faster start, less memory."""
+    importance_cap: float = 2.0
+    """Cap of the truncated importance weight ``min(p_trainer / p_vllm, cap)`` that corrects
+    each token's loss for the small numeric gap between vLLM's sampler and the trainer; 0 turns
+    the correction off."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); unused on GPU."""
+    engine_kwargs: dict[str, object] = field(default_factory=dict)
+    """Anything else, passed to ``vllm.LLM`` as keyword arguments."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            problems.append(
+                f"{prefix}.gpu_memory_utilization ({self.gpu_memory_utilization}) must be in "
+                "(0, 1]; colocated with training, 0.2 to 0.5 is usual"
+            )
+        positive(problems, f"{prefix}.tensor_parallel_size", self.tensor_parallel_size)
+        positive(problems, f"{prefix}.max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            positive(problems, f"{prefix}.max_model_len", self.max_model_len)
+        if self.importance_cap < 0:
+            problems.append(
+                f"{prefix}.importance_cap ({self.importance_cap}) must be >= 0 (0 turns the "
+                "correction off); 2 is usual"
+            )
+        positive(problems, f"{prefix}.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
+        for key in self.engine_kwargs:
+            if key in VLLM_OWN_KEYS:
+                problems.append(
+                    f"{prefix}.engine_kwargs.{key} is set by the vLLM rollout itself and cannot "
+                    "be overridden; remove it"
+                )
+            elif key in VLLM_FIELDS:
+                problems.append(
+                    f"{prefix}.engine_kwargs.{key} has its own field; set {prefix}.{key} instead"
+                )
+        return problems
+
+
+VLLM_FIELDS = (
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
+    "dtype",
+    "enforce_eager",
+)
+"""The :class:`VLLMConfig` fields passed to ``vllm.LLM`` under their own names."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """How completions are sampled."""
+
+    engine: Literal["hf", "static", "vllm"] = "hf"
+    """``hf``: Hugging Face ``generate`` (works on CPU and GPU). ``static``: the model's own
+    forward over a preallocated static KV cache, each decode step replayed as one CUDA graph
+    on GPU (eager on CPU); not with FSDP2. ``vllm``: a colocated vLLM engine (the ``vllm``
+    extra on GPU, ``vllm-cpu`` on CPU), configured by ``vllm``."""
+    cuda_graphs: bool = True
+    """With ``engine: static`` on GPU, replay each decode step as a CUDA graph; false runs the
+    same loop eagerly."""
+    compile: bool = False
+    """With ``engine: static``, compile the decode step (``torch.compile``) before capturing
+    it: faster steps, a compile per batch shape when a worker first meets it."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings; read only when ``engine`` is ``vllm``."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k filtering."""
+    max_output_tokens: int = 64
+    min_output_tokens: int = 0
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.temperature", self.temperature, "use 0.7 to 1.2 for RL")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"{prefix}.top_p ({self.top_p}) must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"{prefix}.top_k ({self.top_k}) must be >= 0 (0 disables)")
+        positive(problems, f"{prefix}.max_output_tokens", self.max_output_tokens)
+        if not 0 <= self.min_output_tokens <= self.max_output_tokens:
+            problems.append(
+                f"{prefix}.min_output_tokens ({self.min_output_tokens}) must be in "
+                f"[0, max_output_tokens ({self.max_output_tokens})]"
+            )
+        if self.engine == "vllm":
+            problems += self.vllm.check(f"{prefix}.vllm")
+        return problems

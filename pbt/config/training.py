@@ -1,0 +1,67 @@
+"""A member's run: steps, evaluation, device, and how its ranks share the work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pbt.config.fsdp import fsdp_problems
+from pbt.config.rules import positive
+
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedConfig:
+    """How a member's ranks share the work."""
+
+    fsdp: bool | dict[str, object] | None = None
+    """``True`` for default FSDP2 sharding, a dict of ``FSDPConfig`` fields, or None for data
+    parallel (each rank holds the whole model)."""
+    timeout_s: float = 600.0
+    """A collective waiting longer than this (a peer rank died or hung) fails the member with
+    an error instead of hanging it."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.timeout_s", self.timeout_s)
+        if self.fsdp is None or isinstance(self.fsdp, bool):
+            return problems
+        return problems + fsdp_problems(self.fsdp, f"{prefix}.fsdp")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The member's run: how long, how often to evaluate, where to write."""
+
+    steps: int = 100
+    """Training steps (one rollout batch each)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps; 0 evaluates only before and after."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 is greedy."""
+    seed: int = 0
+    output_dir: str = "runs/member"
+    """Where the checkpoint and logs go, relative to the working directory."""
+    device: Device = "auto"
+    """``auto`` picks CUDA when available, else CPU."""
+    log_every: int = 1
+    mixed_precision: bool = True
+    """On CUDA with a bf16 or fp16 base: the trainer's forward passes run under autocast, so the
+    adapter's float32 master weights are cast once per pass and every matmul runs in the half
+    type. No effect on CPU or a float32 base, nor under FSDP2 (its policy does the same)."""
+    compile: bool = False
+    """Compile the decoder (forward and backward) with ``torch.compile``: faster steps after a
+    compile of a minute or so at start; not with FSDP2."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.steps", self.steps)
+        if self.eval_every < 0:
+            problems.append(f"{prefix}.eval_every ({self.eval_every}) must be >= 0")
+        if self.eval_temperature < 0:
+            problems.append(f"{prefix}.eval_temperature ({self.eval_temperature}) must be >= 0")
+        if self.seed < 0:
+            problems.append(f"{prefix}.seed ({self.seed}) must be >= 0")
+        positive(problems, f"{prefix}.log_every", self.log_every)
+        return problems

@@ -1,0 +1,655 @@
+"""A campaign: generations of members, each trained as its own torchrun group, then selected
+and mutated, until the budget is spent. Resumable from its directory after any crash.
+
+Directory layout::
+
+    <campaign>/store.db           the campaign store (config, members, lineage, faults, RNG)
+    <campaign>/controller.lock    held by the one controller running this campaign
+    <campaign>/tasks/<member>/    task.json, heartbeat, result.json
+    <campaign>/logs/<member>.attempt<k>.log
+    <campaign>/checkpoints/<member>/
+
+Each generation boundary is one store transaction that also carries the controller's RNG state,
+so a resumed campaign makes exactly the decisions an uninterrupted one would. This module
+imports no torch: members are separate processes.
+
+The controller writes, loads and deletes only inside its directory: a member id, or a checkpoint
+path from the store or from a member's result, that would lead elsewhere (``..``, an absolute
+path, a symlink) is refused (:mod:`pbt.protocol.paths`). A member that cannot write its checkpoint
+because the disk is full stops the campaign after its last attempt, rather than being replaced
+by clones that would fail the same way: free space, then ``pbt resume``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pbt.config import Manifest
+from pbt.config.errors import PbtError
+from pbt.config.loader import manifest_from_dict
+from pbt.config.ranges import base_hyperparameters, hp_ranges
+from pbt.controller.campaign_log import CampaignLog
+from pbt.controller.launch import (
+    LocalLauncher,
+    Outcome,
+    PersistentLauncher,
+    TaskSpec,
+    kill_orphan,
+    member_command,
+)
+from pbt.controller.population import (
+    INIT_STUDY,
+    build_mutations,
+    build_selection,
+    initial_records,
+)
+from pbt.controller.search import (
+    OptunaSearch,
+    record_initial_fitness,
+    record_members,
+    study_storage,
+)
+from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.protocol.crash import crash_point
+from pbt.protocol.files import write_json_atomic
+from pbt.protocol.paths import inside, plain_name
+from pbt.protocol.records import MemberRecord, member_id, rng_from_json, rng_to_json
+
+SEARCH_STUDY = "search"
+"""The Optuna study of the ``optuna`` strategy: one trial per member trained from scratch."""
+POPULATION_STUDY = "population"
+"""Every trained PBT member as a completed trial, for optuna-dashboard."""
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """How a campaign ended."""
+
+    generations: int
+    best_member: str
+    best_fitness: float
+    best_checkpoint: str
+    stop_reason: str
+
+
+class Campaign:
+    """One campaign directory, driven by one controller at a time.
+
+    Use :meth:`start` for a new campaign and :meth:`resume` to continue one.
+    """
+
+    def __init__(
+        self, directory: Path, raw: dict[str, Any], member_command: list[str] | None = None
+    ) -> None:
+        self.dir = directory
+        self.raw = raw
+        self.manifest: Manifest = manifest_from_dict(raw["manifest"], base_dir=raw["base_dir"])
+        self._lock = _acquire_lock(directory / "controller.lock")
+        self.store = CampaignStore(directory / STORE_FILENAME)
+        self.selection = build_selection(self.manifest)
+        self.mutations = build_mutations(self.manifest)
+        self.member_command = member_command
+        self.say = print
+        self.log = CampaignLog(directory, self.manifest)
+        self._workers: PersistentLauncher | None = None
+
+    # -- creation and resume ---------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        manifest_path: str | Path,
+        directory: str | Path,
+        member_command: list[str] | None = None,
+    ) -> Campaign:
+        """Create ``directory`` as a new campaign from a manifest file and build generation 0.
+
+        Raises:
+            PbtError: the directory already holds a campaign (use resume) or is not empty.
+        """
+        directory = Path(directory)
+        if (directory / STORE_FILENAME).exists():
+            raise PbtError(
+                f"{directory} already holds a campaign; continue it with: pbt resume {directory}"
+            )
+        if directory.exists() and any(directory.iterdir()):
+            raise PbtError(f"{directory} is not empty; choose a new campaign directory")
+        path = Path(manifest_path)
+        raw = {
+            "manifest": yaml.safe_load(path.read_text()) or {},
+            "base_dir": str(path.resolve().parent),
+        }
+        manifest_from_dict(
+            raw["manifest"], base_dir=raw["base_dir"]
+        )  # validate before creating anything
+        directory.mkdir(parents=True, exist_ok=True)
+        campaign = cls(directory, raw, member_command)
+        campaign.store.save_config(raw)
+        (directory / "manifest.yaml").write_text(path.read_text())
+        campaign._create_generation_zero()
+        return campaign
+
+    def _create_generation_zero(self) -> None:
+        """Draw generation 0 and commit it (as generation -1's successors) with the controller's
+        first RNG state. Deterministic: a start that crashed before the commit is redone."""
+        rng = random.Random(self.manifest.training.seed)
+        if self.manifest.search.strategy == "optuna":
+            search = self._search()
+            members = []
+            for i in range(self.manifest.population.size):
+                number, hyperparameters = search.trial_for(member_id(0, i))
+                members.append(
+                    MemberRecord(
+                        member_id=member_id(0, i),
+                        generation=0,
+                        hyperparameters=hyperparameters,
+                        mutation=f"trial {number}",
+                    )
+                )
+        else:
+            storage = study_storage(self.dir)
+            members = initial_records(self.manifest, storage)
+        events = [
+            {
+                "generation": 0,
+                "member_id": m.member_id,
+                "parent_id": None,
+                "kind": "create",
+                "detail": json.dumps(m.hyperparameters),
+            }
+            for m in members
+        ]
+        self.store.commit_generation(
+            -1, [], members, events, _controller_state(rng, 0.0, 0.0), None
+        )
+
+    @classmethod
+    def resume(cls, directory: str | Path, member_command: list[str] | None = None) -> Campaign:
+        """Open an existing campaign to continue it from its last committed generation.
+
+        Raises:
+            PbtError: no campaign there, or another controller holds it.
+        """
+        directory = Path(directory)
+        if not (directory / STORE_FILENAME).exists():
+            raise PbtError(
+                f"{directory} holds no campaign (no store.db); start one with: pbt run MANIFEST --dir {directory}"
+            )
+        with CampaignStore(directory / STORE_FILENAME) as store:
+            raw = store.load_config()
+        if raw is None:
+            raise PbtError(
+                f"{directory}/store.db has no configuration: the campaign was never created"
+            )
+        campaign = cls(directory, raw, member_command)
+        if campaign.store.last_committed_generation() is None:
+            # the start crashed before generation 0 was committed: whatever its draws left in
+            # the studies is discarded, and generation 0 drawn again, the same way
+            for leftover in directory.glob("optuna.db*"):
+                leftover.unlink()
+            campaign._create_generation_zero()
+        return campaign
+
+    def close(self) -> None:
+        """Stop the long-lived workers, send what is left to the tracking store, then release
+        the store and the lock."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        self.log.close()
+        self.store.close()
+        self._lock.close()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        """Train generation after generation until the budget is spent; returns the best member."""
+        last = self.store.last_committed_generation()
+        state = self.store.controller_state(last)
+        rng = rng_from_json(state["rng"])
+        elapsed, gpu_seconds = state["elapsed_s"], state["gpu_seconds"]
+        generation = last + 1
+        self._collect_garbage()
+        self.log.started(self.dir / "manifest.yaml")
+        if last >= 0:  # what followed the last commit may not have happened before a crash
+            self._record_in_studies(last, self.store.members(last), final=False)
+        while True:
+            started = time.monotonic()
+            gpu_seconds += self._train_generation(generation)
+            elapsed += time.monotonic() - started
+            finished = self.store.members(generation)
+            best = max(finished, key=lambda m: m.fitness(self.manifest.population.fitness_window))
+            reason = self._stop_reason(generation, finished, elapsed, gpu_seconds)
+            next_members, events = (
+                ([], []) if reason else self._next_generation(generation, finished, rng)
+            )
+            best_pair = (best.member_id, best.fitness(self.manifest.population.fitness_window))
+            crash_point("selection")
+            self.store.commit_generation(
+                generation,
+                finished,
+                next_members,
+                events,
+                _controller_state(rng, elapsed, gpu_seconds),
+                best_pair,
+            )
+            self.log.generation_committed(generation, finished)
+            self._record_in_studies(generation, finished, final=bool(reason))
+            self.say(
+                f"generation {generation} committed: best {best.member_id} fitness {best_pair[1]:.3f}"
+            )
+            self._collect_garbage()
+            if reason:
+                overall = self.store.best()
+                record = self.store.member(overall[0])
+                best = record.checkpoint
+                self.log.finished(self._checkpoint_path(best, "best checkpoint") if best else None)
+                return Summary(
+                    generation + 1, overall[0], overall[1], record.checkpoint or "", reason
+                )
+            generation += 1
+
+    def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
+        if self.manifest.search.strategy == "optuna":
+            return self._next_trials(generation, finished)
+        selected = self.selection.select(finished, rng)
+        mutated = self.mutations.mutate_population(selected, rng)
+        members, events = [], []
+        for i, (sel, (hp, desc)) in enumerate(zip(selected, mutated, strict=True)):
+            child = MemberRecord(
+                member_id=member_id(generation + 1, i),
+                generation=generation + 1,
+                parent_id=sel.parent.member_id,
+                parent_checkpoint=sel.parent.checkpoint,
+                hyperparameters=hp,
+                mutation=desc,
+                fitness_history=list(sel.parent.fitness_history),
+                steps=sel.parent.steps,
+            )
+            kind = "elite" if sel.is_elite else ("clone" if desc.startswith("none") else "mutate")
+            members.append(child)
+            events.append(
+                {
+                    "generation": generation + 1,
+                    "member_id": child.member_id,
+                    "parent_id": sel.parent.member_id,
+                    "kind": kind,
+                    "detail": desc,
+                }
+            )
+        return members, events
+
+    # -- the Optuna strategy and the studies -------------------------------------------------
+
+    def _search(self) -> OptunaSearch:
+        cfg = self.manifest.search
+        return OptunaSearch(
+            hp_ranges(self.manifest),
+            base_hyperparameters(self.manifest),
+            storage=study_storage(self.dir),
+            study_name=SEARCH_STUDY,
+            sampler=cfg.sampler,
+            pruner=cfg.pruner,
+            seed=self.manifest.training.seed,
+            max_generations=cfg.trial_generations,
+            startup_trials=cfg.startup_trials,
+        )
+
+    def _trial_root(self, m: MemberRecord) -> MemberRecord:
+        """The member that started ``m``'s trial (trained from scratch)."""
+        while m.parent_id is not None:
+            m = self.store.member(m.parent_id)
+        return m
+
+    def _next_trials(self, generation: int, finished: list[MemberRecord]):
+        """Each slot continues its trial, or starts a new one when the pruner stopped it or it
+        trained ``trial_generations`` generations."""
+        search = self._search()
+        members, events = [], []
+        for slot, m in enumerate(finished):
+            root = self._trial_root(m)
+            child_id = member_id(generation + 1, slot)
+            fitness = m.fitness_history[-1] if m.fitness_history else math.nan
+            if search.report(root.member_id, fitness, m.generation - root.generation):
+                number, hyperparameters = search.trial_for(child_id)
+                child = MemberRecord(
+                    member_id=child_id,
+                    generation=generation + 1,
+                    hyperparameters=hyperparameters,
+                    mutation=f"trial {number}",
+                )
+                kind, detail = "create", f"trial {number} replaces the trial of {root.member_id}"
+            else:
+                child = MemberRecord(
+                    member_id=child_id,
+                    generation=generation + 1,
+                    parent_id=m.member_id,
+                    parent_checkpoint=m.checkpoint,
+                    hyperparameters=dict(m.hyperparameters),
+                    mutation=f"trial of {root.member_id} continues",
+                    fitness_history=list(m.fitness_history),
+                    steps=m.steps,
+                )
+                kind, detail = "clone", child.mutation
+            members.append(child)
+            events.append(
+                {
+                    "generation": generation + 1,
+                    "member_id": child_id,
+                    "parent_id": child.parent_id,
+                    "kind": kind,
+                    "detail": detail,
+                }
+            )
+        return members, events
+
+    def _record_in_studies(self, generation: int, finished: list[MemberRecord], final: bool):
+        """Fitness into the Optuna studies (idempotent): generation 0's draws complete their
+        trials (a later campaign can warm-start from them), PBT members become trials of the
+        ``population`` study, and a search's unfinished trials complete when the campaign ends."""
+        done = [m for m in finished if m.status == "done" and m.fitness_history]
+        storage = study_storage(self.dir)
+        ranges = hp_ranges(self.manifest)
+        if self.manifest.search.strategy == "optuna":
+            if final:  # the budget ends the trials still running, after their last report
+                search = self._search()
+                for m in done:
+                    root = self._trial_root(m)
+                    fitness = m.fitness_history[-1]
+                    if not search.report(root.member_id, fitness, m.generation - root.generation):
+                        search.finish(root.member_id, fitness)
+            return
+        if not ranges:
+            return
+        if generation == 0 and self.manifest.population.init_sampler != "none":
+            fitness = {m.member_id: m.fitness_history[-1] for m in done}
+            record_initial_fitness(storage, INIT_STUDY, fitness)
+        record_members(
+            storage,
+            POPULATION_STUDY,
+            ranges,
+            [(m.member_id, m.hyperparameters, m.fitness_history[-1], m.generation) for m in done],
+        )
+
+    def _stop_reason(
+        self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
+    ) -> str:
+        budget = self.manifest.budget
+        best = max(m.fitness(self.manifest.population.fitness_window) for m in finished)
+        # each member that trained (not one replaced by a clone) trained evo_steps steps; its
+        # own step count is its lineage's, parents' steps included
+        total_steps = self.manifest.population.evo_steps * sum(
+            1
+            for m in self.store.members()
+            if m.status == "done"
+            and m.generation <= generation
+            and not (m.mutation or "").startswith("replaced")
+        )
+        checks = [
+            (generation + 1 >= budget.generations, f"{budget.generations} generations done"),
+            (
+                budget.target_fitness is not None and best >= budget.target_fitness,
+                f"target fitness {budget.target_fitness} reached",
+            ),
+            (
+                budget.total_steps is not None and total_steps >= budget.total_steps,
+                f"{budget.total_steps} total steps done",
+            ),
+            (
+                budget.wall_time_s is not None and elapsed >= budget.wall_time_s,
+                f"wall time {budget.wall_time_s} s spent",
+            ),
+            (
+                budget.gpu_hours is not None and gpu_seconds / 3600 >= budget.gpu_hours,
+                f"{budget.gpu_hours} GPU-hours spent",
+            ),
+        ]
+        return next((reason for hit, reason in checks if hit), "")
+
+    # -- one generation --------------------------------------------------------------------
+
+    def _train_generation(self, generation: int) -> float:
+        """Train every unfinished member of ``generation``; returns GPU-seconds used."""
+        launch = self.manifest.launch
+        gpu_seconds = 0.0
+        pending = [m for m in self.store.members(generation) if m.status != "done"]
+        total = len(self.store.members(generation))
+        for m in pending:  # members a crashed controller left running must not race their retry
+            if m.status == "running" and kill_orphan(self.dir / "tasks" / m.member_id):
+                self.say(f"  ended {m.member_id}'s process left by the previous controller")
+        self.say(f"generation {generation}: training {len(pending)} of {total} members")
+        self.log.members_started(pending)
+        while pending:
+            for m in pending:
+                m.attempts += 1
+                m.status = "running"
+                self.store.update_member(m)
+            crash_point("launch")
+            tasks = [self._task(m) for m in pending]
+            outcomes = self._launcher().run(tasks, on_start=lambda *_: crash_point("task"))
+            retry, disk_full = [], None
+            for m, outcome in zip(pending, outcomes, strict=True):
+                gpu_seconds += outcome.seconds * launch.gpus_per_member
+                outcome = self._check_result(m, outcome)
+                if outcome.status == "ok":
+                    self._record_success(m, outcome)
+                elif m.attempts < launch.max_attempts:
+                    self._record_fault(m, outcome, "retrying")
+                    retry.append(m)
+                elif outcome.status == "disk_full":
+                    self._record_fault(m, outcome, "stopping the campaign")
+                    disk_full = disk_full or (m, outcome)
+                else:
+                    self._record_fault(m, outcome, "replacing")
+                    self._replace(m, generation)
+            if disk_full is not None:
+                self._stop_for_disk(*disk_full)
+            pending = retry
+        return gpu_seconds
+
+    def _stop_for_disk(self, m: MemberRecord, outcome: Outcome) -> None:
+        """A full disk is not the member's fault: clones would fail the same way. Stop, with
+        the generation uncommitted, so that a resume re-runs what did not finish."""
+        reason = outcome.detail.splitlines()[0] if outcome.detail else "the disk is full"
+        raise PbtError(
+            f"{m.member_id} failed {m.attempts} times for want of disk space ({reason}); the "
+            f"campaign stopped with generation {m.generation} uncommitted and every earlier "
+            f"checkpoint intact: free space on the disk that holds {self.dir}, then continue "
+            f"with: pbt resume {self.dir}"
+        )
+
+    def _check_result(self, m: MemberRecord, outcome: Outcome) -> Outcome:
+        """A result whose checkpoint is not the one its task named is a bad result: the
+        controller would load and later delete whatever path it gives."""
+        if outcome.status != "ok":
+            return outcome
+        named = (outcome.result or {}).get("checkpoint")
+        if named == f"checkpoints/{m.member_id}":
+            return outcome
+        detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
+        return replace(outcome, status="bad_result", detail=detail)
+
+    def _task(self, m: MemberRecord) -> TaskSpec:
+        plain_name(m.member_id, f"a member id in {self.store.path}")
+        if m.parent_checkpoint:
+            self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
+        task_dir = self.dir / "tasks" / m.member_id
+        task_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            task_dir / "task.json",
+            {
+                "campaign_dir": str(self.dir.resolve()),
+                "manifest": self.raw["manifest"] | {"training": self._training_section()},
+                "manifest_base_dir": self.raw["base_dir"],
+                "member_id": m.member_id,
+                "generation": m.generation,
+                "parent_id": m.parent_id,
+                "parent_checkpoint": m.parent_checkpoint,
+                "hyperparameters": m.hyperparameters,
+                "mutation": m.mutation,
+                "steps": self.manifest.population.evo_steps,
+                "checkpoint": f"checkpoints/{m.member_id}",
+            },
+        )
+        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return TaskSpec(
+            task_id=m.member_id, task_dir=task_dir, log_path=log, nproc=self.manifest.launch.ranks
+        )
+
+    def _training_section(self) -> dict[str, Any]:
+        """The members' schedule spans the whole campaign, not one generation."""
+        training = asdict(self.manifest.training)
+        training["steps"] = self.manifest.budget.generations * self.manifest.population.evo_steps
+        return training
+
+    def _launcher(self) -> LocalLauncher:
+        """A launcher per generation; with ``persistent_workers`` one for the whole campaign,
+        whose workers outlive each generation."""
+        if self.manifest.launch.persistent_workers:
+            if self._workers is None:
+                self._workers = self._new_launcher()
+            return self._workers
+        return self._new_launcher()
+
+    def _new_launcher(self) -> LocalLauncher:
+        launch = self.manifest.launch
+        command = self.member_command or member_command()
+        env = {}
+        if launch.gpus_per_member == 0 and "OMP_NUM_THREADS" not in os.environ:
+            # CPU members share the cores: oversubscribed threads slow every member down
+            env["OMP_NUM_THREADS"] = str(
+                max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks))
+            )
+        kind, extra = LocalLauncher, {}
+        if launch.persistent_workers:
+            kind, extra = PersistentLauncher, {"workers_dir": self.dir / "workers"}
+        return kind(
+            command,
+            **extra,
+            slots=launch.slots,
+            gpus_per_member=launch.gpus_per_member,
+            gpu_ids=launch.gpu_ids,
+            heartbeat_timeout_s=launch.heartbeat_timeout_s,
+            task_timeout_s=launch.task_timeout_s,
+            env=env,
+            memory_limit_bytes=(
+                None if launch.memory_limit_gib is None else int(launch.memory_limit_gib * 2**30)
+            ),
+        )
+
+    def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
+        result = outcome.result or {}
+        m.status = "done"
+        m.checkpoint = result["checkpoint"]
+        m.checkpoint_digest = result.get("digest")
+        m.fitness_history = [*m.fitness_history, float(result["fitness"])]
+        m.steps = int(result["steps"])
+        self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
+        self.store.update_member(m)
+        self.log.member_finished(m, result)
+        self.say(
+            f"  {m.member_id} done: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) in {outcome.seconds:.0f} s"
+        )
+
+    def _record_fault(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
+        self.store.record_fault(
+            m.generation, m.member_id, m.attempts, outcome.status, outcome.detail
+        )
+        m.status = "failed"
+        self.store.update_member(m)
+        self.log.member_failed(m, outcome.status, outcome.detail, final=action == "replacing")
+        reason = outcome.detail.splitlines()[0] if outcome.detail else ""
+        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
+        self.say(
+            f"  {m.member_id} attempt {m.attempts} {outcome.status}: {reason}; {action} (log: {log})"
+        )
+
+    def _replace(self, m: MemberRecord, generation: int) -> None:
+        """After its last failed attempt, a member becomes a clone of the generation's best
+        finished member, or of its own parent when none has finished."""
+        done = [x for x in self.store.members(generation) if x.status == "done"]
+        window = self.manifest.population.fitness_window
+        if done:
+            source = max(done, key=lambda x: x.fitness(window))
+            m.checkpoint, m.checkpoint_digest = source.checkpoint, source.checkpoint_digest
+            m.fitness_history, m.steps = list(source.fitness_history), source.steps
+            m.hyperparameters = dict(source.hyperparameters)
+            detail = f"replaced by a clone of {source.member_id} after {m.attempts} failed attempts"
+        elif m.parent_checkpoint:
+            m.checkpoint = m.parent_checkpoint
+            detail = f"replaced by its parent {m.parent_id} after {m.attempts} failed attempts"
+        else:
+            raise PbtError(
+                f"{m.member_id} failed {m.attempts} times and no member of generation {generation} "
+                f"finished to replace it; see {self.dir / 'logs'}"
+            )
+        m.status, m.mutation = "done", detail
+        self.store.update_member(m)
+        self.store.record_fault(generation, m.member_id, m.attempts, "replaced", detail)
+        self.say(f"  {m.member_id} {detail}")
+
+    def _checkpoint_path(self, path: str, what: str) -> Path:
+        """Where checkpoint ``path`` (relative to the campaign, from the store) lies on disk.
+
+        Raises:
+            PbtError: it would lie outside ``<campaign>/checkpoints``.
+        """
+        return inside(self.dir, path, "checkpoints", what)
+
+    def _collect_garbage(self) -> None:
+        """Delete checkpoints nothing references any more, and what writes that were cut off
+        left behind (disk stays bounded). No member runs while this does. A recorded path that
+        leads outside the checkpoints folder is forgotten, its target left alone."""
+        for path in self.store.unreferenced_checkpoints():
+            try:
+                self._checkpoint_path(path, "an unreferenced checkpoint")
+            except PbtError as err:
+                self.say(f"  not deleting it: {err}")
+            else:
+                _remove(self.dir / path)
+            crash_point("gc")
+            self.store.forget_checkpoint(path)
+        folder = self.dir / "checkpoints"
+        if folder.is_dir() and not folder.is_symlink():
+            for leftover in folder.glob(".*"):
+                if ".tmp-" in leftover.name or ".old-" in leftover.name:
+                    _remove(leftover)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder; a symlink is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _acquire_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise PbtError(f"another controller is running this campaign ({path} is locked)") from None
+    return handle
+
+
+def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:
+    return {
+        "rng": rng_to_json(rng),
+        "elapsed_s": elapsed,
+        "gpu_seconds": gpu_seconds,
+    }

@@ -1,0 +1,584 @@
+"""Run member tasks as process groups and read back what they report: no torch here.
+
+The protocol, all JSON files in one task directory, all written atomically:
+
+- the controller writes ``task.json``; the member gets its path as its last argument;
+- the member touches ``heartbeat`` every few seconds while alive (:class:`Heartbeat`);
+- on success the member writes ``result.json`` with at least ``{"status": "ok"}``.
+
+:class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
+the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
+rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
+
+A member that fails for want of memory or disk says so in ``fault.json`` (:mod:`pbt.protocol.faults`);
+its outcome is then ``out_of_memory`` or ``disk_full`` rather than ``failed``. With a memory
+limit, every process of a member's group starts under ``RLIMIT_DATA``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pbt.config.errors import PbtError
+from pbt.protocol import faults
+from pbt.protocol.files import RELEASED, read_json, write_json_atomic
+
+KILL_GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
+LOG_TAIL_LINES = 20
+
+OutcomeStatus = Literal[
+    "ok",
+    "failed",
+    "timeout",
+    "no_heartbeat",
+    "no_result",
+    "bad_result",
+    "out_of_memory",
+    "disk_full",
+]
+STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
+"""A task's files from a previous attempt, removed before the next one starts."""
+
+
+def member_command() -> list[str]:
+    """The default member command: ``pbt.worker`` under torchrun, one node, the rank count and
+    port filled in by the launcher (``{nproc}``, ``{port}``)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        "--master_port={port}",
+        "-m",
+        "pbt.worker",
+    ]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One attempt at one member task."""
+
+    task_id: str
+    task_dir: Path
+    """Holds ``task.json`` (written by the caller); ``result.json`` and ``heartbeat`` go here."""
+    log_path: Path
+    """Receives this attempt's stdout and stderr."""
+    nproc: int = 1
+    """Processes (ranks) in the task's torchrun group."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one task attempt ended."""
+
+    task_id: str
+    status: OutcomeStatus
+    returncode: int | None
+    result: dict[str, Any] | None
+    detail: str
+    """In words: exit code or signal, seconds without heartbeat, the last lines of the log."""
+    seconds: float
+
+
+@dataclass
+class _Running:
+    index: int
+    task: TaskSpec
+    slot: int
+    port: int
+    proc: subprocess.Popen[bytes]
+    started: float  # time.monotonic()
+    started_wall: float  # time.time(), to compare with the heartbeat's mtime
+    released: bool = False  # its slot was handed on before it ended (see RELEASED)
+
+
+class LocalLauncher:
+    """Run tasks as local process groups, at most ``slots`` at once, in FIFO order.
+
+    Args:
+        command: program prefix; ``{nproc}`` and ``{port}`` are replaced per task, and the path
+            of ``task.json`` is appended.
+        slots: tasks run at once.
+        gpus_per_member: GPUs per slot; 0 runs members on the CPU (``CUDA_VISIBLE_DEVICES=""``).
+        gpu_ids: GPUs to split into slots; default ``0 .. slots * gpus_per_member - 1``.
+        heartbeat_timeout_s: a task whose heartbeat is older than this (or missing this long
+            after start) is killed.
+        task_timeout_s: a task running longer than this is killed; None: no limit.
+        poll_s: seconds between checks of the running tasks.
+        base_port: slot ``i`` gets rendezvous port ``base_port + 10 * i`` (or the next free one).
+        env: variables added to the inherited environment.
+        memory_limit_bytes: the most memory each process of a task may allocate
+            (``RLIMIT_DATA``: its heap and private mappings; not GPU memory, not the address
+            space CUDA reserves); past it an allocation fails and the member reports
+            ``out_of_memory``. None: no limit.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        slots: int,
+        gpus_per_member: int = 0,
+        gpu_ids: list[int] | None = None,
+        heartbeat_timeout_s: float = 120.0,
+        task_timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        base_port: int = 29600,
+        env: dict[str, str] | None = None,
+        memory_limit_bytes: int | None = None,
+    ) -> None:
+        ids = list(range(slots * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
+        positive = {"slots": slots, "heartbeat_timeout_s": heartbeat_timeout_s, "poll_s": poll_s}
+        positive["task_timeout_s"] = 1 if task_timeout_s is None else task_timeout_s
+        problems = [f"{key} ({value}) must be > 0" for key, value in positive.items() if value <= 0]
+        if not command:
+            problems.append("command is empty; give the program to run, e.g. torchrun's argv")
+        if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+            problems.append(f"memory_limit_bytes ({memory_limit_bytes}) must be > 0 or None")
+        if gpus_per_member < 0:
+            problems.append(f"gpus_per_member ({gpus_per_member}) must be >= 0")
+        elif len(set(ids)) != len(ids) or len(ids) < slots * gpus_per_member:
+            problems.append(
+                f"gpu_ids ({ids}) must be slots ({slots}) x gpus_per_member ({gpus_per_member}) "
+                "distinct GPUs or more; lower slots or list more GPUs"
+            )
+        if problems:
+            raise ValueError("LocalLauncher: " + "; ".join(problems))
+        self.command, self.slots, self.gpus_per_member = list(command), slots, gpus_per_member
+        self.heartbeat_timeout_s, self.task_timeout_s = heartbeat_timeout_s, task_timeout_s
+        self.poll_s, self.base_port, self.env = poll_s, base_port, dict(env or {})
+        self.memory_limit_bytes = memory_limit_bytes
+        self.slot_gpus = [
+            ",".join(str(g) for g in ids[i * gpus_per_member : (i + 1) * gpus_per_member])
+            for i in range(slots)
+        ]
+        """``CUDA_VISIBLE_DEVICES`` of each slot ("" on CPU)."""
+
+    def run(
+        self,
+        tasks: list[TaskSpec],
+        on_start: Callable[[TaskSpec, int], object] | None = None,
+        on_done: Callable[[Outcome], object] | None = None,
+    ) -> list[Outcome]:
+        """Run every task and return their outcomes in the order of ``tasks``.
+
+        ``on_start(task, slot)`` and ``on_done(outcome)`` are called from this thread as tasks
+        start and end. On any exception (KeyboardInterrupt included) every running process group
+        is killed before it propagates.
+        """
+        self._check_tasks(tasks)
+        queue = collections.deque(enumerate(tasks))
+        free = list(range(self.slots))
+        running: list[_Running] = []
+        outcomes: dict[int, Outcome] = {}
+        try:
+            while queue or running:
+                while queue and free:
+                    index, task = queue.popleft()
+                    slot = free.pop(0)
+                    running.append(self._start(index, task, slot, {r.port for r in running}))
+                    if on_start is not None:
+                        on_start(task, slot)
+                for item in list(running):
+                    outcome = self._check(item)
+                    if outcome is None:
+                        if not item.released and self._released(item):
+                            item.released = True
+                            free = sorted([*free, item.slot])
+                        continue
+                    running.remove(item)
+                    if not item.released:
+                        free = sorted([*free, item.slot])
+                    outcomes[item.index] = outcome
+                    if on_done is not None:
+                        on_done(outcome)
+                if running:
+                    time.sleep(self.poll_s)
+        except BaseException:
+            _kill_groups([item.proc for item in running])
+            raise
+        return [outcomes[i] for i in range(len(tasks))]
+
+    def close(self) -> None:
+        """Nothing outlives :meth:`run` here; a long-lived launcher stops its workers."""
+
+    def _released(self, item: _Running) -> bool:
+        """Whether ``item``'s slot may take another task before ``item`` ends."""
+        return False
+
+    def _check_tasks(self, tasks: list[TaskSpec]) -> None:
+        dirs = [Path(t.task_dir).resolve() for t in tasks]
+        if len(set(dirs)) != len(dirs):
+            raise ValueError("tasks share a task_dir; give each task its own directory")
+        for task in tasks:
+            if not (Path(task.task_dir) / "task.json").is_file():
+                raise PbtError(
+                    f"task {task.task_id}: {task.task_dir}/task.json does not exist; write it before run()"
+                )
+            if task.nproc < 1:
+                raise ValueError(f"task {task.task_id}: nproc ({task.nproc}) must be >= 1")
+
+    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
+        """Clear the previous attempt's files and start the task's process group."""
+        task_dir = Path(task.task_dir)
+        for stale in STALE_FILES:
+            (task_dir / stale).unlink(missing_ok=True)
+        port = self._pick_port(slot, taken_ports)
+        proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
+        # the group id outlives this controller: a resumed one reads it to end orphans
+        (task_dir / "pgid").write_text(str(proc.pid))
+        return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
+
+    def _popen(
+        self, slot: int, nproc: int, port: int, tail: list[str], log_path: Path
+    ) -> subprocess.Popen[bytes]:
+        """The command (``{nproc}`` and ``{port}`` filled in, ``tail`` appended) as a process
+        group of its own on the slot's GPUs, writing to ``log_path``."""
+        argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
+        env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        limit = self.memory_limit_bytes
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(
+                [*argv, *tail],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=None if limit is None else _memory_limiter(limit),
+            )
+
+    def _pick_port(self, slot: int, taken: set[int]) -> int:
+        first = self.base_port + 10 * slot
+        for port in range(first, min(first + 1000, 65536)):
+            if port not in taken and _port_is_free(port):
+                return port
+        raise PbtError(
+            f"no free port in {first}..{first + 999} on 127.0.0.1; set another base_port"
+        )
+
+    def _check(self, item: _Running) -> Outcome | None:
+        """The task's outcome if it has ended (or was killed just now), else None."""
+        returncode = item.proc.poll()
+        if returncode is not None:
+            _kill_groups([item.proc])  # stragglers the leader left behind
+            status, result, detail = _classify_exit(item.task.task_dir, returncode)
+            if status == "failed":
+                status, detail = _fault(item.task, detail, Path(item.task.log_path))
+            return self._outcome(item, returncode, status, result, detail)
+        overdue = self._overdue(item)
+        if overdue is None:
+            return None
+        status, reason = overdue
+        (returncode,) = _kill_groups([item.proc])
+        return self._outcome(
+            item, returncode, status, None, f"{reason}; {_describe_exit(returncode)}"
+        )
+
+    def _overdue(self, item: _Running) -> tuple[OutcomeStatus, str] | None:
+        """Why a still-running task must be killed now, or None."""
+        elapsed = time.monotonic() - item.started
+        if self.task_timeout_s is not None and elapsed > self.task_timeout_s:
+            return "timeout", f"ran {elapsed:.1f} s > task_timeout_s {self.task_timeout_s:g}"
+        silent = time.time() - _last_beat(Path(item.task.task_dir) / "heartbeat", item.started_wall)
+        if silent > self.heartbeat_timeout_s:
+            limit = self.heartbeat_timeout_s
+            return (
+                "no_heartbeat",
+                f"no heartbeat for {silent:.1f} s > heartbeat_timeout_s {limit:g}",
+            )
+        return None
+
+    def _outcome(
+        self,
+        item: _Running,
+        returncode: int,
+        status: OutcomeStatus,
+        result: dict[str, Any] | None,
+        detail: str,
+    ) -> Outcome:
+        tail = _log_tail(Path(item.task.log_path)) if status != "ok" else ""
+        if tail:
+            detail = f"{detail}\n--- last lines of {item.task.log_path} ---\n{tail}"
+        seconds = time.monotonic() - item.started
+        return Outcome(item.task.task_id, status, returncode, result, detail, seconds)
+
+
+@dataclass
+class _Worker:
+    slot: int
+    nproc: int
+    port: int
+    proc: subprocess.Popen[bytes]
+    folder: Path
+    sent: int = 0
+    """Inbox entries written to this worker so far (the next one's number)."""
+
+
+class PersistentLauncher(LocalLauncher):
+    """Run tasks on long-lived worker groups, one per slot, that load the base model once.
+
+    The same ``run`` contract and task files as :class:`LocalLauncher`, plus one folder per
+    slot, ``<workers_dir>/slot<i>``: the controller starts the group there with ``--serve
+    FOLDER`` in place of a task path, and hands it each task by writing
+    ``inbox/<n>.json`` (``{"task": .../task.json, "log": ...}``, ``n`` = 0, 1, ... for each
+    worker start). The worker takes the entries in order, runs each as the one-shot worker
+    would (heartbeat and ``result.json`` in the task's folder, its output in the task's log) and
+    waits for the next. Once a task's state is in host memory the worker marks it ``released``
+    and writes its checkpoint in the background: the slot then takes its next task at once, so
+    the write overlaps the next member's training, and the released task ends when its result
+    arrives. A task that fails, hangs or outruns its timeout takes its worker down with it
+    (a released one still writing, too): the group is killed and a fresh one serves the slot's
+    next task. ``close()`` (or a
+    ``stop`` file) ends the workers; a worker also ends after ``idle_timeout_s`` without a task
+    and when its folder is gone.
+
+    Args:
+        command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
+        workers_dir: where the slot folders go (a campaign's ``workers/``).
+        idle_timeout_s: passed to the workers.
+        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.05 here, since a task's
+            end is the next one's start on the same worker, and every check waited is idle.
+    """
+
+    def __init__(
+        self, command: list[str], workers_dir: Path, idle_timeout_s: float = 900.0, **kwargs
+    ) -> None:
+        kwargs.setdefault("poll_s", 0.05)
+        super().__init__(command, **kwargs)
+        self.workers_dir = Path(workers_dir)
+        self.idle_timeout_s = idle_timeout_s
+        self._workers: dict[int, _Worker] = {}
+        for slot in range(self.slots):  # groups a crashed controller left behind
+            folder = self._folder(slot)
+            kill_orphan(folder, names=folder)
+
+    def _folder(self, slot: int) -> Path:
+        return self.workers_dir / f"slot{slot}"
+
+    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
+        task_dir = Path(task.task_dir)
+        for stale in STALE_FILES:
+            (task_dir / stale).unlink(missing_ok=True)
+        worker = self._workers.get(slot)
+        if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
+            _kill_groups([worker.proc])
+            worker = None
+        if worker is None:
+            worker = self._spawn(slot, task.nproc, taken_ports)
+        Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
+        entry = {"task": str(task_dir / "task.json"), "log": str(task.log_path)}
+        write_json_atomic(worker.folder / "inbox" / f"{worker.sent:06d}.json", entry)
+        worker.sent += 1
+        return _Running(index, task, slot, worker.port, worker.proc, time.monotonic(), time.time())
+
+    def _spawn(self, slot: int, nproc: int, taken_ports: set[int]) -> _Worker:
+        """Start a worker group for ``slot`` on an empty inbox."""
+        folder = self._folder(slot)
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "inbox").mkdir(parents=True)
+        port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
+        tail = ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
+        proc = self._popen(slot, nproc, port, tail, folder / "worker.log")
+        (folder / "pgid").write_text(str(proc.pid))
+        worker = _Worker(slot, nproc, port, proc, folder)
+        self._workers[slot] = worker
+        return worker
+
+    def _released(self, item: _Running) -> bool:
+        return (Path(item.task.task_dir) / RELEASED).exists()
+
+    def _check(self, item: _Running) -> Outcome | None:
+        path = Path(item.task.task_dir) / "result.json"
+        if path.exists():  # written atomically: complete once it exists
+            result = read_json(path)
+            if result is not None and result.get("status") == "ok":
+                return self._outcome(item, 0, "ok", result, "served by a long-lived worker")
+            returncode = self._drop(item)
+            return self._outcome(
+                item, returncode, "bad_result", result, "result.json is not an ok result"
+            )
+        returncode = item.proc.poll()
+        if returncode is not None:  # the worker ended before the task did
+            self._drop(item)
+            if returncode == 0:
+                return self._outcome(
+                    item, 0, "no_result", None, "the worker exited 0 without finishing the task"
+                )
+            log = self._folder(item.slot) / "worker.log"
+            status, detail = _fault(item.task, _describe_exit(returncode), log)
+            return self._outcome(item, returncode, status, None, detail)
+        overdue = self._overdue(item)
+        if overdue is None:
+            return None
+        status, reason = overdue
+        returncode = self._drop(item)
+        return self._outcome(
+            item, returncode, status, None, f"{reason}; the worker was {_describe_exit(returncode)}"
+        )
+
+    def _drop(self, item: _Running) -> int:
+        """Kill the worker that ran ``item`` (and its group); the slot starts a fresh one."""
+        (returncode,) = _kill_groups([item.proc])
+        worker = self._workers.get(item.slot)
+        if worker is not None and worker.proc is item.proc:
+            del self._workers[item.slot]
+        return returncode
+
+    def _outcome(self, item, returncode, status, result, detail) -> Outcome:
+        outcome = super()._outcome(item, returncode, status, result, detail)
+        if status == "ok":
+            return outcome
+        tail = _log_tail(self._folder(item.slot) / "worker.log")
+        if tail:
+            detail = f"{outcome.detail}\n--- last lines of the worker's own log ---\n{tail}"
+            outcome = dataclasses.replace(outcome, detail=detail)
+        return outcome
+
+    def close(self) -> None:
+        """Ask every worker to stop, and kill those that have not within the grace period."""
+        for worker in self._workers.values():
+            with contextlib.suppress(OSError):
+                (worker.folder / "stop").touch()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for worker in self._workers.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+        _kill_groups([w.proc for w in self._workers.values()])
+        self._workers.clear()
+
+
+def _classify_exit(
+    task_dir: Path, returncode: int
+) -> tuple[OutcomeStatus, dict[str, Any] | None, str]:
+    """Status, result and detail of a task that exited by itself."""
+    if returncode != 0:
+        return "failed", None, _describe_exit(returncode)
+    path = Path(task_dir) / "result.json"
+    result = read_json(path)
+    if result is None and path.exists():
+        return "bad_result", None, "result.json is truncated or not a JSON object"
+    if result is None:
+        return "no_result", None, "exited 0 without writing result.json"
+    if result.get("status") != "ok":
+        return "bad_result", result, f"result status is {result.get('status')!r}, not 'ok'"
+    return "ok", result, "exit code 0"
+
+
+def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
+    """``out_of_memory`` or ``disk_full`` with the member's own message, when the member that
+    failed reported one of them (or its log ends in a MemoryError); else ``failed``."""
+    fault = faults.read(task.task_dir, _log_tail(Path(task.log_path)) or _log_tail(log))
+    if fault is None:
+        return "failed", detail
+    kind, message = fault
+    return kind, f"{message}; {detail}"
+
+
+def _memory_limiter(limit: int) -> Callable[[], None]:
+    """What the child runs before exec: cap its data segment (inherited by every process it
+    starts) at ``limit`` bytes, or the hard limit if that is lower."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return apply
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _last_beat(path: Path, started_wall: float) -> float:
+    """Wall time of the last heartbeat; the start time while there has been none."""
+    try:
+        return max(path.stat().st_mtime, started_wall)
+    except OSError:
+        return started_wall
+
+
+def _kill_groups(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
+
+    The groups share one grace period, so stopping many tasks takes no longer than one.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left in the group, leader or not
+    return [proc.wait() for proc in procs]
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_bytes()[-64 * 1024 :].decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
+    """End the process group a previous (crashed) controller started for ``task_dir``.
+
+    The group is killed only while its leader's command line still names ``names`` (default
+    the task's ``task.json``), so a recycled process id is never hit. Returns whether anything
+    was killed.
+    """
+    try:
+        pgid = int((Path(task_dir) / "pgid").read_text())
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    if str(names or Path(task_dir) / "task.json").encode() not in cmdline:
+        return False
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while Path(f"/proc/{pgid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True

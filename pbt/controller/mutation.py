@@ -1,0 +1,121 @@
+"""Mutation of a selected parent's hyperparameters, with AgileRL semantics.
+
+Each child either keeps its parent's hyperparameters ("none") or has one RL hyperparameter
+perturbed ("rl_hp"), chosen with probabilities proportional to ``no_mutation`` and ``rl_hp``
+(so ``no_mutation=1, rl_hp=0.6`` still mutates 0.6/1.6 of the time). A perturbation multiplies
+the value by ``grow_factor`` or ``shrink_factor`` (even odds) or, with probability
+``resample_probability``, draws a fresh value from the range; the result is clipped to the
+range and cast to its dtype. Architecture mutations are not supported: the model is fixed.
+
+Every random choice goes through the ``random.Random`` passed in. Controller code: no torch.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pbt.config.errors import ConfigError
+from pbt.config.ranges import HPRange, mutation_problems
+from pbt.controller.selection import Selected
+
+
+class Mutations:
+    """Perturbs one RL hyperparameter of a child, or none.
+
+    Args:
+        ranges: The mutable hyperparameters by name, and where each may go.
+        no_mutation: Relative weight of leaving the child unchanged.
+        rl_hp: Relative weight of perturbing one hyperparameter.
+        mutate_elite: Whether the elite may be mutated too (AgileRL leaves it alone).
+        resample_probability: Chance a perturbation draws a fresh value instead of scaling.
+
+    Raises:
+        ConfigError: Listing every argument that breaks a rule.
+    """
+
+    def __init__(
+        self,
+        ranges: dict[str, HPRange],
+        no_mutation: float = 0.4,
+        rl_hp: float = 0.6,
+        mutate_elite: bool = False,
+        resample_probability: float = 0.0,
+    ) -> None:
+        problems = mutation_problems(ranges, no_mutation, rl_hp, resample_probability)
+        if problems:
+            raise ConfigError(problems)
+        self.ranges = dict(ranges)
+        self.no_mutation = no_mutation
+        self.rl_hp = rl_hp
+        self.mutate_elite = mutate_elite
+        self.resample_probability = resample_probability
+
+    def mutate(
+        self, hyperparameters: dict[str, float], rng: random.Random, is_elite: bool = False
+    ) -> tuple[dict[str, float], str]:
+        """A child's hyperparameters and what was done, in words.
+
+        Args:
+            hyperparameters: The parent's values; not modified.
+            rng: The campaign's seeded generator; the only source of randomness used.
+            is_elite: Whether this child is the elite slot.
+
+        Returns:
+            A new dict, and ``"none"``, ``"none (elite)"``, ``"lr x1.2 (0.001 -> 0.0012)"``
+            or ``"lr resampled (0.001 -> 0.0004)"``.
+
+        Raises:
+            ConfigError: When an rl_hp mutation finds none of ``ranges`` in the parent's values.
+        """
+        child = dict(hyperparameters)
+        if is_elite and not self.mutate_elite:
+            return child, "none (elite)"
+        if rng.random() * (self.no_mutation + self.rl_hp) < self.no_mutation:
+            return child, "none"
+        name = rng.choice(self._mutable_names(child))
+        return child, self._perturb(child, name, rng)
+
+    def mutate_population(
+        self, selected: list[Selected], rng: random.Random
+    ) -> list[tuple[dict[str, float], str]]:
+        """:meth:`mutate` applied to each selected parent, in order, with its elite flag."""
+        return [self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite) for s in selected]
+
+    def mutation(self, population, rng: random.Random | None = None):
+        """AgileRL's call on a library-mode population: each agent keeps or changes one
+        hyperparameter (the elite as ``mutate_elite`` says), in place; returns the population.
+
+        Args:
+            population: A ``Population`` (or any agents with ``hyperparameters``,
+                ``set_hyperparameters``, ``is_elite`` and ``mutation``).
+            rng: The generator to draw from; default the population's own.
+        """
+        rng = rng or population.rng
+        for agent in population:
+            values, how = self.mutate(agent.hyperparameters, rng, is_elite=agent.is_elite)
+            agent.set_hyperparameters(values)
+            agent.mutation = how
+        return population
+
+    def _mutable_names(self, hyperparameters: dict[str, float]) -> list[str]:
+        names = sorted(name for name in self.ranges if name in hyperparameters)
+        if not names:
+            raise ConfigError(
+                [
+                    f"mutation.ranges ({sorted(self.ranges)}) names none of the member's "
+                    f"hyperparameters ({sorted(hyperparameters)}); rename the ranges to match"
+                ]
+            )
+        return names
+
+    def _perturb(self, child: dict[str, float], name: str, rng: random.Random) -> str:
+        """Change ``child[name]`` in place; return the description."""
+        spec = self.ranges[name]
+        old = child[name]
+        if rng.random() < self.resample_probability:
+            how, raw = "resampled", spec.resample(rng)
+        else:
+            factor = spec.grow_factor if rng.random() < 0.5 else spec.shrink_factor
+            how, raw = f"x{factor:g}", old * factor
+        child[name] = spec.clip_cast(raw)
+        return f"{name} {how} ({old:.6g} -> {child[name]:.6g})"

@@ -1,0 +1,126 @@
+"""Tournament selection of the next generation's parents, with AgileRL semantics.
+
+With elitism, slot 0 is the single best member by mean fitness over its last
+``fitness_window`` evaluations (ties go to the lowest index); every other slot is filled by a
+tournament: ``tournament_size`` members drawn uniformly without replacement, the fittest wins
+(ties go to the first drawn). A member that has never been evaluated has fitness ``-inf`` and
+loses to any member that has.
+
+Every random choice goes through the ``random.Random`` passed to :meth:`select`, so a campaign
+seeded once makes the same choices on every run. Controller code: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from pbt.config.campaign import selection_problems
+from pbt.config.errors import ConfigError
+from pbt.protocol.records import MemberRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Selected:
+    """One parent chosen for the next generation."""
+
+    parent: MemberRecord
+    """The member whose checkpoint and hyperparameters the child starts from."""
+    is_elite: bool
+    """True for the elite slot, which mutation leaves alone unless told otherwise."""
+
+
+class TournamentSelection:
+    """Chooses ``population_size`` parents by tournament, optionally keeping the best as elite.
+
+    Args:
+        tournament_size: Members drawn per tournament; 1 is uniform random choice, and
+            ``population_size`` always picks the best.
+        elitism: Whether the best member is carried over as the first, elite, slot.
+        population_size: How many parents :meth:`select` returns.
+        fitness_window: How many of each member's latest evaluations are averaged.
+
+    Raises:
+        ConfigError: Listing every argument that breaks a rule.
+    """
+
+    def __init__(
+        self,
+        tournament_size: int,
+        elitism: bool,
+        population_size: int,
+        fitness_window: int = 1,
+    ) -> None:
+        problems = selection_problems(tournament_size, elitism, population_size, fitness_window)
+        if problems:
+            raise ConfigError(problems)
+        self.tournament_size = tournament_size
+        self.elitism = elitism
+        self.population_size = population_size
+        self.fitness_window = fitness_window
+
+    def select(self, population, rng: random.Random | None = None):
+        """Choose the parents of the next generation.
+
+        Args:
+            population: The evaluated members of the current generation, in slot order: the
+                controller's records, or a library-mode ``Population``.
+            rng: The seeded generator, the only source of randomness used; a library
+                population brings its own.
+
+        Returns:
+            For records, exactly ``population_size`` :class:`Selected` entries, the elite first
+            with elitism. For a library population, the population itself, now holding clones
+            of the winners (AgileRL's ``pop = tournament.select(pop)``).
+
+        Raises:
+            ConfigError: When the population is smaller than one tournament.
+        """
+        next_generation = getattr(population, "next_generation", None)
+        if next_generation is not None:
+            return next_generation(self.select(population.records(), rng or population.rng))
+        if rng is None:
+            raise TypeError("select(records, rng): a list of records needs the campaign's rng")
+        self._check_population(population)
+        scores = [self._score(member) for member in population]
+        chosen: list[Selected] = []
+        if self.elitism:
+            chosen.append(Selected(parent=population[_best_index(scores)], is_elite=True))
+        while len(chosen) < self.population_size:
+            winner = self._tournament(scores, rng)
+            chosen.append(Selected(parent=population[winner], is_elite=False))
+        return chosen
+
+    def _score(self, member: MemberRecord) -> float:
+        """Windowed mean fitness; NaN (a diverged evaluation) ranks with the unevaluated."""
+        fitness = member.fitness(self.fitness_window)
+        return -math.inf if math.isnan(fitness) else fitness
+
+    def _tournament(self, scores: list[float], rng: random.Random) -> int:
+        """Index of the fittest of ``tournament_size`` members drawn without replacement."""
+        drawn = rng.sample(range(len(scores)), self.tournament_size)
+        return _best_index(scores, drawn)
+
+    def _check_population(self, population: list[MemberRecord]) -> None:
+        if len(population) < self.tournament_size:
+            raise ConfigError(
+                [
+                    f"population.tournament_size ({self.tournament_size}) must be <= the number "
+                    f"of members to select from ({len(population)}); lower tournament_size or "
+                    "pass the whole generation"
+                ]
+            )
+
+
+def _best_index(scores: list[float], candidates: list[int] | None = None) -> int:
+    """The candidate with the highest score; ties go to the earliest candidate.
+
+    ``max`` returns the first maximal element, which gives both tie rules: lowest index for
+    the elite (candidates in slot order) and first drawn for a tournament (draw order).
+    """
+    order = range(len(scores)) if candidates is None else candidates
+    return max(order, key=lambda index: scores[index])
+
+
+assert math.inf > 0

@@ -1,0 +1,7 @@
+"""``python -m pbt.worker TASK_JSON`` or ``--serve FOLDER``: see :mod:`pbt.worker`."""
+
+import sys
+
+from pbt.worker.task import main
+
+sys.exit(main())

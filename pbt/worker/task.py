@@ -1,0 +1,307 @@
+"""Run member tasks of a campaign: the program the launcher starts under torchrun.
+
+    torchrun --nproc_per_node=N -m pbt.worker <task_dir>/task.json     one task, then exit
+    torchrun --nproc_per_node=N -m pbt.worker --serve <slot_folder>    a long-lived worker
+
+The task (written by the controller) names the campaign's manifest, the member, its parent
+checkpoint (or none: the base model), the hyperparameters, the steps to train and the seed. The
+worker loads the parent checkpoint and only THEN applies the hyperparameters, so a mutated lr
+lands in the optimizer's param groups with Adam's moments and the schedule's position kept. It
+trains, evaluates, saves a gathered checkpoint and writes ``result.json`` (rank 0, atomically),
+heartbeating all the while. It loads and saves checkpoints only inside the campaign's
+``checkpoints`` folder. A task that fails for want of memory or disk space is reported as such
+in ``fault.json`` (:mod:`pbt.protocol.faults`) before the worker exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pbt.config.errors import PbtError
+from pbt.config.loader import manifest_from_dict
+from pbt.protocol import faults
+from pbt.protocol.files import RELEASED, Heartbeat, read_json, write_json_atomic
+from pbt.protocol.paths import inside
+from pbt.protocol.records import member_seed
+
+
+def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
+    """Train the member described by ``task`` and save its checkpoint; return its result and
+    the host it trained on (every rank calls this).
+
+    ``host`` is a model loaded by an earlier task of a long-lived worker: it is reused, its
+    adapter reset, when the task's manifest is the one it was built for, so switching members
+    costs an adapter, optimizer and RNG load, not a model load. A member gives the same
+    checkpoint and fitness either way.
+    """
+    from pbt.distributed import barrier
+
+    result, host, write = start_task(task, host)
+    result = finish_task(result, write)
+    barrier()  # every rank ends with the checkpoint on disk
+    return result, host
+
+
+def finish_task(result: dict[str, Any], write: Callable[[], str] | None) -> dict[str, Any]:
+    """Write the checkpoint that :func:`start_task` snapshotted (rank 0); the result, complete."""
+    if write is None:
+        return result
+    started = time.perf_counter()
+    digest = write()
+    seconds = time.perf_counter() - started
+    return {**result, "digest": digest, "seconds": result["seconds"] + seconds, "write_s": seconds}
+
+
+def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, Any]:
+    """Train and evaluate the member described by ``task`` and snapshot its state to host
+    memory (every rank calls this). Returns the result without its checkpoint's digest, the
+    host, and on rank 0 the call that writes the checkpoint (:func:`finish_task`), which needs
+    neither the device nor the other ranks; None on the others."""
+    import torch
+
+    from pbt.algorithms.member import Host, Member, seed_everything
+    from pbt.distributed import pick_device, world_info
+
+    marks = [("start", time.perf_counter())]
+    campaign = Path(task["campaign_dir"])
+    checkpoint = inside(campaign, task["checkpoint"], "checkpoints", "the task's checkpoint")
+    parent = task["parent_checkpoint"]
+    if parent:
+        parent = inside(campaign, parent, "checkpoints", "the task's parent checkpoint")
+    manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
+    world = world_info()
+    device = pick_device(manifest.training.device, world.local_rank)
+    if host is not None and host.serves(manifest):
+        host.reset_adapter()
+    else:
+        host = Host(manifest, device)
+    member = Member(manifest, device, task["member_id"], host=host)
+    marks.append(("setup", time.perf_counter()))
+    if parent:
+        member.load(parent)
+    member.learner.apply_hyperparameters(task["hyperparameters"])
+    seed = member_seed(manifest.training.seed, task["member_id"])
+    seed_everything(seed + world.rank)
+    member.learner.generator.manual_seed(seed)
+    member.lineage = {
+        "member": task["member_id"],
+        "parent": task["parent_id"],
+        "generation": task["generation"],
+        "mutation": task["mutation"],
+    }
+    started = time.perf_counter()
+    marks.append(("load", started))
+    history = _train(member, task["steps"])
+    marks.append(("train", time.perf_counter()))
+    fitness = member.learner.evaluate(
+        member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
+    )
+    member.fitness.append(fitness)
+    marks.append(("evaluate", time.perf_counter()))
+    write = member.snapshot(checkpoint)
+    marks.append(("save", time.perf_counter()))  # the snapshot; finish_task times the write
+    if host.engine is not None:
+        host.engine.forget(member.member_id)
+    timings = {name: end - begin for (_, begin), (name, end) in itertools.pairwise(marks)}
+    result = {
+        "status": "ok",
+        "member_id": task["member_id"],
+        "fitness": fitness,
+        "metrics": history[-1] if history else {},
+        "history": history,
+        "steps": member.learner.step,
+        "checkpoint": task["checkpoint"],
+        "digest": None,
+        "seconds": time.perf_counter() - started,
+        "productive_seconds": timings["train"] + timings["evaluate"],
+        "timings": timings,
+        "world_size": world.world_size,
+        "device": str(torch.device(member.device)),
+    }
+    return result, host, write
+
+
+def _train(member, steps: int) -> list[dict[str, float]]:
+    """Train ``steps`` steps; every step's metrics, with the lineage's step count."""
+    learner, task = member.learner, member.task
+    history = []
+    for _ in range(steps):
+        metrics = learner.train_step(task.train, task.reward_fn)
+        history.append({"step": learner.step, **metrics})
+        print(f"{member.member_id} step {learner.step} {learner.describe(metrics)}", flush=True)
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m pbt.worker TASK_JSON`` (one task), or ``python -m pbt.worker
+    --serve FOLDER [--idle-timeout S]`` (a long-lived worker; see
+    :class:`pbt.launch.PersistentLauncher`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"] and len(argv) in (2, 4):
+        idle = float(argv[3]) if len(argv) == 4 and argv[2] == "--idle-timeout" else 900.0
+        return serve(Path(argv[1]), idle)
+    if len(argv) != 1:
+        print(
+            "usage: python -m pbt.worker TASK_JSON | --serve FOLDER [--idle-timeout S]",
+            file=sys.stderr,
+        )
+        return 2
+    task_path = Path(argv[0])
+    task = read_json(task_path)
+    if task is None:
+        print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
+        return 2
+    from pbt.distributed import shutdown
+
+    rank = int(os.environ.get("RANK", 0))
+    with Heartbeat(task_path.parent / "heartbeat") if rank == 0 else contextlib.nullcontext():
+        try:
+            result, _ = run_task(task)
+        except BaseException as err:
+            if not _failed(task_path.parent, err):
+                raise
+            return 2
+        finally:
+            shutdown()
+        if rank == 0:
+            write_json_atomic(task_path.parent / "result.json", result)
+    return 0
+
+
+def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.02) -> int:
+    """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
+
+    Every rank reads the same inbox, so the group agrees on each task without a collective
+    while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
+    ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
+    ``result.json``, from a background thread while the next task trains; the task heartbeats
+    until its result is written. At most one write is in flight. Ends on a ``stop`` file, when
+    the folder is gone, or after ``idle_timeout_s`` without a task, in each case after the
+    write in flight. A task that fails ends the worker (exit 2), since its ranks may be out of
+    step; so does a failed write (the task in training then fails with it, and is retried).
+    """
+    from pbt.distributed import shutdown
+
+    rank = int(os.environ.get("RANK", 0))
+    host, taken, writing = None, 0, None
+    try:
+        while True:
+            entry = _next_entry(folder, taken, idle_timeout_s, poll_s)
+            if entry is None:
+                return 0
+            taken += 1
+            task_path = Path(entry["task"])
+            task = read_json(task_path)
+            if task is None:
+                print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
+                return 2
+            beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else None
+            with contextlib.ExitStack() as stack:
+                if beat is not None:
+                    stack.enter_context(beat)
+                with _output_to(entry["log"], rank == 0):
+                    try:
+                        result, host, write = start_task(task, host)
+                    except BaseException as err:
+                        if not _failed(task_path.parent, err):
+                            raise
+                        return 2
+                if rank == 0:
+                    if writing is not None:
+                        writing.join()
+                    # the write owns the heartbeat from here on, till the result is written
+                    writing = _Writer(
+                        task_path.parent, entry["log"], result, write, stack.pop_all()
+                    )
+    finally:
+        if writing is not None:
+            writing.join()
+        shutdown()
+
+
+class _Writer(threading.Thread):
+    """Writes a served task's checkpoint, then its ``result.json``, in the background; on
+    failure reports the fault (:mod:`pbt.protocol.faults`) and ends the worker with exit 2."""
+
+    def __init__(
+        self,
+        task_dir: Path,
+        log: str,
+        result: dict[str, Any],
+        write: Callable[[], str],
+        heartbeat: contextlib.ExitStack,
+    ) -> None:
+        super().__init__(name="pbt-checkpoint-writer", daemon=True)
+        self.task_dir, self.log, self.result = task_dir, log, result
+        self.write, self.heartbeat = write, heartbeat
+        (task_dir / RELEASED).touch()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with self.heartbeat:
+                result = finish_task(self.result, self.write)
+                write_json_atomic(self.task_dir / "result.json", result)
+        except BaseException as err:
+            kind = faults.report(self.task_dir, err)
+            with contextlib.suppress(OSError), open(self.log, "a") as f:
+                traceback.print_exc(file=f)
+                what = kind.replace("_", " ") if kind else "writing the checkpoint failed"
+                print(f"error: {what}: {err}", file=f)
+            os._exit(2)
+
+
+def _failed(task_dir: Path, err: BaseException) -> bool:
+    """Say why the task failed, and whether that was expected: a user's error (its message
+    only) or a fault of a known kind (reported in ``fault.json``, with its traceback). Other
+    errors are bugs, left to propagate."""
+    kind = faults.report(task_dir, err)
+    if isinstance(err, PbtError):
+        print(f"error: {err}", file=sys.stderr)
+    elif kind is not None:
+        traceback.print_exc()
+        print(f"error: {kind.replace('_', ' ')}: {err}", file=sys.stderr)
+    return kind is not None or isinstance(err, PbtError)
+
+
+def _next_entry(
+    folder: Path, number: int, idle_timeout_s: float, poll_s: float
+) -> dict[str, Any] | None:
+    """Wait for inbox entry ``number``; None when the worker should stop."""
+    path = folder / "inbox" / f"{number:06d}.json"
+    deadline = time.monotonic() + idle_timeout_s
+    while time.monotonic() < deadline:
+        if (folder / "stop").exists() or not folder.is_dir():
+            return None
+        entry = read_json(path)
+        if entry is not None:
+            return entry
+        time.sleep(poll_s)
+    return None
+
+
+@contextlib.contextmanager
+def _output_to(log: str, enabled: bool):
+    """This rank's prints go to the task's log while the task runs."""
+    if not enabled:
+        yield
+        return
+    with (
+        open(log, "a", buffering=1) as f,
+        contextlib.redirect_stdout(f),
+        contextlib.redirect_stderr(f),
+    ):
+        yield
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The member entry point: train one member, evaluate it, checkpoint it.
+
+    torchrun --nproc_per_node=1 -m pbt.worker.train manifest.yaml
+    python -m pbt.worker.train manifest.yaml [--device cpu|cuda|auto] [--output-dir DIR] [--steps N]
+
+Without a manifest the built-in quickstart runs. Progress goes to stdout, one line per logged
+step; every step's metrics also go to ``<output_dir>/metrics.jsonl``. This is the only module of
+``pbt`` that imports torch and the algorithms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from pbt.config import Manifest
+from pbt.config.errors import ConfigError, PbtError
+from pbt.config.loader import load_manifest
+
+
+def default_manifest_path() -> Path:
+    """The packaged quickstart manifest."""
+    return Path(str(resources.files("pbt.configs") / "quickstart.yaml"))
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of ``python -m pbt.worker.train`` (also ``pbt train``)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m pbt.worker.train", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)"
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="overrides training.device"
+    )
+    parser.add_argument("--output-dir", help="overrides training.output_dir")
+    parser.add_argument("--steps", type=int, help="overrides training.steps")
+    parser.add_argument("--resume", help="checkpoint to continue from")
+    return parser
+
+
+def resolve_manifest(args: argparse.Namespace) -> Manifest:
+    """Load the manifest and apply command-line overrides (validated like the file)."""
+    manifest = load_manifest(args.manifest or default_manifest_path())
+    overrides = {
+        "device": args.device,
+        "output_dir": args.output_dir,
+        "steps": args.steps,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        manifest.training = dataclasses.replace(manifest.training, **overrides)
+        problems = manifest.training.check("training")
+        if problems:
+            raise ConfigError(problems, "command line")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        manifest = resolve_manifest(args)
+        run_member(manifest, resume=args.resume)
+    except PbtError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float]:
+    """Train, evaluate and checkpoint one member; returns the summary figures.
+
+    Under torchrun every rank runs this; only rank 0 prints and writes files.
+    """
+    from pbt.algorithms.member import Member
+    from pbt.distributed import pick_device, shutdown, world_info
+
+    world = world_info()
+    device = pick_device(manifest.training.device, world.local_rank)
+    member = Member(manifest, device)
+    if resume:
+        member.load(resume)
+    log = _RankZeroLog(Path(manifest.training.output_dir), world.rank == 0)
+    log.say(_banner(manifest, member, device))
+    try:
+        return _train_loop(manifest, member, log)
+    finally:
+        log.close()
+        shutdown()
+
+
+class _RankZeroLog:
+    """Progress lines on stdout and metrics in ``metrics.jsonl``, from rank 0 only."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out, self.enabled = out, enabled
+        self._file = None
+        if enabled:
+            out.mkdir(parents=True, exist_ok=True)
+            self._file = (out / "metrics.jsonl").open("a")
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def record(self, entry: dict[str, float]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _banner(manifest: Manifest, member, device) -> str:
+    task = member.task
+    world = member.world.world_size
+    sharding = "FSDP2" if member.fsdp else "data parallel"
+    ranks = f" x{world} ranks ({sharding})" if world > 1 else ""
+    return (
+        f"pbt-llm: {manifest.algorithm.name} on {manifest.model.name} with LoRA r={manifest.lora.r}, "
+        f"task {task.name} ({len(task.train)} train / {len(task.eval)} held-out examples), "
+        f"{manifest.training.steps} steps on {device}{ranks}"
+    )
+
+
+def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, float]:
+    from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
+
+    cfg = manifest.training
+    learner, task = member.learner, member.task
+    started = time.perf_counter()
+
+    def evaluate() -> float:
+        fitness = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+        log.say(f"eval  step {learner.step:>4}: {learner.fitness_name} {fitness:.3f}")
+        log.record({"step": learner.step, "eval_reward": fitness})
+        return fitness
+
+    first = evaluate()
+    while learner.step < cfg.steps:
+        metrics = learner.train_step(task.train, task.reward_fn)
+        log.record({"step": learner.step, **metrics})
+        if metrics.get("skipped"):
+            log.say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
+        if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
+            log.say(f"step {learner.step:>4}/{cfg.steps}  {learner.describe(metrics)}")
+        if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
+            evaluate()
+    last = evaluate()
+    member.fitness.append(last)
+    digest = member.save(log.out / "checkpoint")
+    elapsed = time.perf_counter() - started
+    log.say(
+        f"done: {learner.fitness_name} {first:.3f} -> {last:.3f} ({last - first:+.3f}) in "
+        f"{elapsed:.0f} s; "
+        f"checkpoint {log.out / 'checkpoint'} (sha256 {(digest or '')[:12]})"
+    )
+    return {"initial_reward": first, "final_reward": last, "seconds": elapsed}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

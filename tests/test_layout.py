@@ -1,0 +1,212 @@
+"""The architecture, checked: floors, no import loops, and lazy imports only where they pay.
+
+Every module under the package-dir mapping is read with ``ast`` (function-level imports and
+``TYPE_CHECKING`` blocks included). Floors, bottom up::
+
+    0  pbt.config (and the pbt package itself, whose exports are lazy)
+    1  pbt.protocol
+    2  pbt.distributed
+    3  pbt.algorithms
+    4  pbt.controller, pbt.worker, pbt.library
+    5  pbt.cli
+
+A module may import its own floor and the floors below, never one above; no module may reach
+itself again through its imports. A project import inside a function is allowed only when it
+pulls in a heavy dependency (torch, transformers, peft, vllm, mlflow, optuna, ...) that the
+importing module must not load at start: any other lazy import would only be hiding a loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).parents[1]
+FLOORS = {
+    "pbt": 0,
+    "pbt.config": 0,
+    "pbt.configs": 0,
+    "pbt.protocol": 1,
+    "pbt.distributed": 2,
+    "pbt.algorithms": 3,
+    "pbt.controller": 4,
+    "pbt.worker": 4,
+    "pbt.library": 4,
+    "pbt.cli": 5,
+}
+HEAVY = {
+    "torch", "transformers", "peft", "vllm", "mlflow", "optuna", "optuna_dashboard",
+    "matplotlib", "datasets", "safetensors", "numpy",
+}  # fmt: skip
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    top: set[str] = field(default_factory=set)
+    """Project modules imported at module level."""
+    lazy: set[str] = field(default_factory=set)
+    """Project modules imported inside functions."""
+    heavy_top: set[str] = field(default_factory=set)
+    """Heavy third-party packages imported at module level (outside TYPE_CHECKING)."""
+
+
+@cache
+def modules() -> dict[str, Module]:
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    found: dict[str, Module] = {}
+    for package, folder in sorted(mapping.items(), key=lambda kv: len(kv[0])):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            name = ".".join([package, *(p for p in parts if p not in ("__init__", "__main__"))])
+            if parts[-1] == "__main__":
+                name += ".__main__"
+            found[name] = Module(name, path, is_package)
+    for module in found.values():
+        _read_imports(module, found)
+    return found
+
+
+def _read_imports(module: Module, known: dict[str, Module]) -> None:
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+
+    def visit(node: ast.AST, in_function: bool, type_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for sub in child.body:
+                    visit_one(sub, in_function, True)
+                for sub in child.orelse:
+                    visit_one(sub, in_function, type_only)
+                continue
+            visit_one(child, in_function, type_only)
+
+    def visit_one(node: ast.AST, in_function: bool, type_only: bool) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in _targets(node, module, known):
+                if target in known:
+                    (module.lazy if in_function else module.top).add(target)
+                elif not in_function and not type_only and target.split(".")[0] in HEAVY:
+                    module.heavy_top.add(target.split(".")[0])
+            return
+        nested = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        visit(node, nested, type_only)
+
+    visit(tree, False, False)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: Module, known: dict) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [_longest_known(alias.name, known) for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.name if module.is_package else module.name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    out = []
+    for alias in node.names:
+        candidate = f"{base}.{alias.name}"
+        out.append(candidate if candidate in known else _longest_known(base, known))
+    return out
+
+
+def _longest_known(name: str, known: dict) -> str:
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in known:
+            return ".".join(parts[:end])
+    return name
+
+
+def floor(name: str) -> int:
+    best = max((p for p in FLOORS if name == p or name.startswith(p + ".")), key=len)
+    return FLOORS[best]
+
+
+def _facade_edges(name: str) -> set[str]:
+    """Imports through a package's ``__init__`` count as imports of what it re-exports."""
+    return modules()[name].top
+
+
+def test_every_module_has_a_floor():
+    assert all(floor(name) is not None for name in modules())
+    assert "pbt.controller.campaign" in modules() and "pbt.algorithms.grpo" in modules()
+
+
+def test_no_import_climbs_a_floor():
+    climbs = [
+        f"{m.name} (floor {floor(m.name)}) imports {t} (floor {floor(t)})"
+        for m in modules().values()
+        for t in sorted(m.top | m.lazy)
+        if floor(t) > floor(m.name) and m.name != "pbt"
+    ]
+    assert not climbs, "\n".join(climbs)
+
+
+def test_no_import_loop():
+    graph = {name: m.top | m.lazy for name, m in modules().items() if name != "pbt"}
+    loops = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    loops.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not loops, "\n".join(sorted(set(loops))[:20])
+
+
+@cache
+def _pulls_heavy(name: str) -> bool:
+    """Whether importing ``name`` loads a heavy dependency, at module level, transitively."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        module = modules()[current]
+        if module.heavy_top:
+            return True
+        todo.extend(module.top)
+        parent = current.rpartition(".")[0]
+        if parent in modules():
+            todo.append(parent)
+    return False
+
+
+def test_lazy_imports_only_defer_heavy_dependencies():
+    hiding = [
+        f"{m.name} imports {t} inside a function, but {t} loads nothing heavy: import it at the top"
+        for m in modules().values()
+        for t in sorted(m.lazy - m.top)
+        if m.name != "pbt" and not _pulls_heavy(t)
+    ]
+    assert not hiding, "\n".join(hiding)
+
+
+def test_controller_config_and_protocol_import_no_torch():
+    """Statically: no module of these floors pulls torch in at import (the subprocess test in
+    test_cli.py checks the same at run time)."""
+    light = [n for n in modules() if n.startswith(("pbt.config", "pbt.protocol", "pbt.controller"))]
+    assert light
+    heavy = [n for n in light if _pulls_heavy(n)]
+    assert not heavy, heavy
+
+
+if __name__ == "__main__":
+    sys.exit(0)
