@@ -19,6 +19,7 @@ importing module must not load at start: any other lazy import would only be hid
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import cache
@@ -133,11 +134,6 @@ def floor(name: str) -> int:
     return FLOORS[best]
 
 
-def _facade_edges(name: str) -> set[str]:
-    """Imports through a package's ``__init__`` count as imports of what it re-exports."""
-    return modules()[name].top
-
-
 def test_every_module_has_a_floor():
     assert all(floor(name) is not None for name in modules())
     assert "pbt.controller.campaign" in modules() and "pbt.algorithms.grpo" in modules()
@@ -208,5 +204,24 @@ def test_controller_config_and_protocol_import_no_torch():
     assert not heavy, heavy
 
 
-if __name__ == "__main__":
-    sys.exit(0)
+def test_controller_floors_load_no_torch_and_public_paths_resolve():
+    """At run time, in a fresh interpreter: every module of the torch-free floors and the CLI
+    imports without torch, mlflow or optuna; then the public paths resolve to one class."""
+    light = sorted(
+        n for n in modules() if n.startswith(("pbt.config", "pbt.protocol", "pbt.controller"))
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for name in {[*light, 'pbt.cli.main', 'pbt.library.create']!r}:\n"
+        "    importlib.import_module(name)\n"
+        "import pbt\n"
+        "pbt.create_population, pbt.GRPO, pbt.FSDPConfig\n"
+        "heavy = sorted({'torch', 'mlflow', 'optuna', 'transformers'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+        "from pbt.distributed import FSDPConfig\n"
+        "from pbt.config import FSDPConfig as same\n"
+        "assert FSDPConfig is same is pbt.FSDPConfig\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
