@@ -57,6 +57,8 @@ class Module:
     """Project modules imported inside functions."""
     heavy_top: set[str] = field(default_factory=set)
     """Heavy third-party packages imported at module level (outside TYPE_CHECKING)."""
+    heavy_any: set[str] = field(default_factory=set)
+    """Heavy third-party packages imported anywhere in the module."""
 
 
 @cache
@@ -96,8 +98,10 @@ def _read_imports(module: Module, known: dict[str, Module]) -> None:
             for target in _targets(node, module, known):
                 if target in known:
                     (module.lazy if in_function else module.top).add(target)
-                elif not in_function and not type_only and target.split(".")[0] in HEAVY:
-                    module.heavy_top.add(target.split(".")[0])
+                elif target.split(".")[0] in HEAVY:
+                    module.heavy_any.add(target.split(".")[0])
+                    if not in_function and not type_only:
+                        module.heavy_top.add(target.split(".")[0])
             return
         nested = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         visit(node, nested, type_only)
@@ -202,6 +206,19 @@ def test_controller_config_and_protocol_import_no_torch():
     assert light
     heavy = [n for n in light if _pulls_heavy(n)]
     assert not heavy, heavy
+
+
+def test_each_optional_engine_is_imported_in_one_module():
+    """vLLM, MLflow and Optuna (and optuna-dashboard) each enter through one module only."""
+    owners = {
+        "vllm": {"pbt.algorithms.rollout.vllm"},
+        "mlflow": {"pbt.controller.tracking"},
+        "optuna": {"pbt.controller.search"},
+        "optuna_dashboard": {"pbt.cli.serve"},
+    }
+    for package, expected in owners.items():
+        found = {m.name for m in modules().values() if package in m.heavy_any}
+        assert found == expected, f"{package} is imported by {sorted(found)}"
 
 
 def test_controller_floors_load_no_torch_and_public_paths_resolve():
