@@ -84,7 +84,7 @@ class DPO(Learner):
         pairs = max(pairs, 1.0)
         lr = self.optimizer.param_groups[0]["lr"]
         self.step += 1
-        self.scheduler.step()
+        self._advance_schedule()
         return {
             "loss": loss_sum / pairs,
             "reward_margin": margin / pairs,
@@ -92,6 +92,7 @@ class DPO(Learner):
             "grad_norm": grad_norm,
             "lr": lr,
             "optimizer_steps": float(steps),
+            "nonfinite_steps": totals["nonfinite_steps"],
         }
 
     @torch.no_grad()

@@ -10,13 +10,17 @@ ratio. DAPO's two training-loop pieces are options of every member of the family
 ``dynamic_sampling`` (groups with no reward spread are dropped and more prompts are sampled until
 the batch is full). The reference policy for the KL term is the same model with its adapter
 disabled: no second model is held in memory.
+
+Numerically, the objectives clamp their log-ratios and keep masked positions out of ``exp``, the
+``k3`` KL is clamped (see :mod:`pbt.algorithms.losses`), ``algorithm.dual_clip`` caps
+negative-advantage tokens, and an optimizer step whose loss or gradient is still NaN or inf is
+skipped and counted in ``nonfinite_steps`` (:class:`~pbt.algorithms.learner.Learner`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-import warnings
 
 import torch
 from torch import Tensor
@@ -68,7 +72,7 @@ class GRPO(Learner):
             f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  loss {m['loss']:+.4f}  "
             f"kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
             f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s"
+            f"{m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}"
         )
 
     # -- one training step -----------------------------------------------------------------
@@ -215,11 +219,7 @@ class GRPO(Learner):
         }
         self.step += 1
         if sums[3] == 0:
-            # The schedule follows training steps, skipped ones included; torch warns when a
-            # scheduler steps without an optimizer step, which here is intended.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
+            self._advance_schedule()  # the schedule follows training steps, skipped ones too
             return {
                 **metrics,
                 "skipped": 1.0,
@@ -227,6 +227,7 @@ class GRPO(Learner):
                 "kl": 0.0,
                 "clip_fraction": 0.0,
                 "grad_norm": 0.0,
+                "nonfinite_steps": 0.0,
             }
         rows = has_signal.nonzero().squeeze(1)
         weight = torch.ones(len(batch))
@@ -236,7 +237,7 @@ class GRPO(Learner):
         signal = batch.select(rows.to(device))
         signal.completion_mask = signal.completion_mask * weight[rows].to(device).unsqueeze(1)
         update = self._update(signal, advantages[rows].to(device))
-        self.scheduler.step()
+        self._advance_schedule()
         return {**metrics, **update, "skipped": 0.0}
 
     def _update(self, batch: RolloutBatch, advantages: Tensor) -> dict[str, float]:
@@ -254,6 +255,7 @@ class GRPO(Learner):
             "tokens": 0.0,
             "grad_norm": 0.0,
             "updates": 0,
+            "nonfinite_steps": 0.0,
             **dict.fromkeys(IMPORTANCE_TOTALS, 0.0),
         }
         longest = int(all_reduce([len(batch)], "max")[0])
@@ -272,6 +274,7 @@ class GRPO(Learner):
             "clip_fraction": reduced[1] / tokens,
             "grad_norm": totals["grad_norm"] / max(totals["updates"], 1),
             "optimizer_steps": float(totals["updates"]),
+            "nonfinite_steps": totals["nonfinite_steps"],
             **self._importance_metrics(batch, totals),
         }
 
@@ -302,7 +305,8 @@ class GRPO(Learner):
         }
 
     def _mini_batch_step(self, batch, advantages, rows, mini, old_logp, ref_logp, totals) -> None:
-        """One optimizer step over ``rows`` (possibly fewer than ``mini``, even none, on this rank)."""
+        """One optimizer step over ``rows`` (possibly fewer than ``mini``, even none, on this
+        rank); a step skipped as non-finite is counted, and its statistics left out."""
         algo = self.algorithm
         mask = batch.completion_mask[rows]
         mode = self._aggregation()
@@ -312,6 +316,7 @@ class GRPO(Learner):
         micro = min(algo.micro_batch_size or mini, mini)
         chunks = [rows[s : s + micro] for s in range(0, mini, micro)]
         loss_sum = 0.0
+        step = dict.fromkeys(("kl", "clipped", "tokens", *IMPORTANCE_TOTALS), 0.0)
         for i, idx in enumerate(chunks):
             set_gradient_sync(self.model, not self.defer_grad_sync or i == len(chunks) - 1)
             live = len(idx) > 0
@@ -321,20 +326,27 @@ class GRPO(Learner):
             logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)
             old = logp.detach() if old_logp is None else old_logp[idx]
             per_token, clipped = self.objective.per_token_loss(
-                logp, old, advantages[idx], m, algo.clip_low, algo.clip_high
-            )
-            per_token = self._importance_correct(per_token, old, part, m, totals)
+                logp, old, advantages[idx], m, algo.clip_low, algo.clip_high,
+                dual_clip=algo.dual_clip,
+            )  # fmt: skip
+            per_token = self._importance_correct(per_token, old, part, m, step)
             if ref_logp is not None:
-                kl = losses.kl_k3(logp, ref_logp[idx])
+                kl = losses.kl_k3(logp, ref_logp[idx], m)
                 per_token = per_token + algo.beta * kl
-                totals["kl"] += float((kl.detach() * m).sum())
+                step["kl"] += float((kl.detach() * m).sum())
             # gradients are averaged across ranks: scale by the world size to get their sum
             loss = losses.aggregate(per_token, m, mode, denominator) * self.world_size
             loss.backward()
             loss_sum += float(loss.detach()) / self.world_size
-            totals["clipped"] += float((clipped.float() * m).sum())
-            totals["tokens"] += float(m.sum())
-        totals["grad_norm"] += self._optimizer_step()
+            step["clipped"] += float((clipped.float() * m).sum())
+            step["tokens"] += float(m.sum())
+        norm = self._optimizer_step(loss_sum)  # every rank skips, or none does
+        if norm is None:
+            totals["nonfinite_steps"] += 1.0
+            return
+        for key, value in step.items():
+            totals[key] += value
+        totals["grad_norm"] += norm
         totals["loss"] += all_reduce([loss_sum])[0]
         totals["updates"] += 1
 
@@ -383,6 +395,12 @@ class GRPO(Learner):
                 for t, ex in zip(batch.texts, chunk, strict=False)
             )
         return all_reduce([total])[0] / max(len(examples), 1)
+
+
+def nonfinite_note(metrics: dict[str, float]) -> str:
+    """``"  N non-finite steps skipped"`` for a progress line, or nothing."""
+    count = metrics.get("nonfinite_steps", 0.0)
+    return f"  {count:.0f} non-finite step{'s' if count != 1 else ''} skipped" if count else ""
 
 
 class REINFORCE(GRPO):

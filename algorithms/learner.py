@@ -2,6 +2,13 @@
 schedule, mutable hyperparameters, one exact optimizer step across ranks, and state that
 gathers into a checkpoint.
 
+The optimizer step is where non-finite training is caught, once for every algorithm: a step
+whose loss (on any rank) or gradient is NaN or inf is skipped on every rank alike (the ranks
+agree through one all-reduce of a flag), its gradients are zeroed, the optimizer does not step,
+and the learning-rate schedule does not advance for a training step whose every update was
+skipped. ``algorithm.max_nonfinite_steps`` skipped steps in a row raise
+:class:`~pbt.config.errors.DivergedError`, which the member reports as fault ``diverged``.
+
 An algorithm subclasses :class:`Learner` and provides ``train_step(train, reward_fn)`` (one
 step, returning its metrics) and ``evaluate(examples, reward_fn, temperature)`` (the member's
 fitness: larger is better, comparable across members whatever their hyperparameters). The
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -28,7 +36,7 @@ from pbt.config import (
     OptimConfig,
     RolloutConfig,
 )
-from pbt.config.errors import ConfigError
+from pbt.config.errors import ConfigError, DivergedError
 from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_reduce, world_info
 from pbt.distributed.fsdp import average_gradients, is_sharded, set_gradient_sync
@@ -101,6 +109,11 @@ class Learner:
         """This learner's adapter in the engine (its member's id in a shared-base population)."""
         self.adapter_stale = True
         """Whether the adapter changed since the engine last loaded it."""
+        self.nonfinite_steps = 0
+        """Optimizer steps skipped so far because their loss or gradient was NaN or inf."""
+        self.nonfinite_in_a_row = 0
+        """Of those, how many came in a row just now (reset by a finite step)."""
+        self._since_schedule = [0, 0]  # [updates, skipped] since the schedule last advanced
 
     @classmethod
     def prepare_model(cls, model, lora: LoRAConfig) -> None:
@@ -184,8 +197,19 @@ class Learner:
 
     # -- the optimizer step ----------------------------------------------------------------
 
-    def _optimizer_step(self) -> float:
-        """Average gradients over ranks (data parallel), clip, step; returns the grad norm."""
+    def _optimizer_step(self, loss: float = 0.0) -> float | None:
+        """Average gradients over ranks (data parallel), clip, step; returns the grad norm.
+
+        Args:
+            loss: this rank's loss of the step (any scale), checked for NaN and inf.
+
+        Returns:
+            The gradient norm before clipping, or None when the step was skipped because the
+            loss on some rank or the gradient is not finite (see :meth:`_skip_nonfinite`).
+
+        Raises:
+            DivergedError: ``algorithm.max_nonfinite_steps`` steps in a row were skipped.
+        """
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not is_sharded(self.model):
             average_gradients(params)
@@ -193,12 +217,47 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        norm = float(norm)
+        if self._skip_nonfinite(loss, norm):
+            return None
         self._state_to_device()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._state_to_host()
         self.adapter_stale = True
-        return float(norm)
+        self._since_schedule[0] += 1
+        return norm
+
+    def _skip_nonfinite(self, loss: float, norm: float) -> bool:
+        """Whether to skip this step: True on every rank when any rank's loss, or the gradient
+        norm, is NaN or inf. A skipped step's gradients are zeroed and it is counted; the
+        ``max_nonfinite_steps``-th in a row raises :class:`DivergedError` (on every rank)."""
+        bad = 0.0 if math.isfinite(loss) and math.isfinite(norm) else 1.0
+        if all_reduce([bad], "max")[0] == 0.0:
+            self.nonfinite_in_a_row = 0
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        self._since_schedule[1] += 1
+        limit = self.algorithm.max_nonfinite_steps
+        if self.nonfinite_in_a_row >= limit:
+            raise DivergedError(self.nonfinite_in_a_row, limit, self.step)
+        return True
+
+    def _advance_schedule(self) -> None:
+        """Advance the learning-rate schedule by one training step, unless the step made
+        optimizer steps and every one was skipped as non-finite (a step that made none, such
+        as a zero-signal one, still advances it)."""
+        updates, skipped = self._since_schedule
+        self._since_schedule = [0, 0]
+        if skipped and not updates:
+            return
+        # torch warns when a scheduler steps without an optimizer step (a zero-signal step),
+        # which here is intended: the schedule follows training steps.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
 
     def _update_in_mini_batches(
         self,
@@ -216,12 +275,14 @@ class Learner:
         passes and optimizer steps.
 
         Returns:
-            ``(summed statistics, mean gradient norm, optimizer steps)``.
+            ``(summed statistics, mean gradient norm, optimizer steps)``: statistics, norm and
+            steps of the steps taken; ``totals["nonfinite_steps"]`` counts those skipped as
+            non-finite, whose statistics are left out.
         """
         algo = self.algorithm
         mini = (algo.mini_batch_size or algo.batch_completions) // self.world_size
         micro = min(algo.micro_batch_size or mini, mini)
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"nonfinite_steps": 0.0}
         norms, steps = 0.0, 0
         for _ in range(algo.update_epochs):
             order = torch.randperm(rows, generator=self.generator)
@@ -229,14 +290,25 @@ class Learner:
                 batch = order[start : start + mini]
                 denominator = max(all_reduce([weight(batch)])[0], 1e-9)
                 chunks = [batch[s : s + micro] for s in range(0, len(batch), micro)]
+                step_totals: dict[str, float] = {}
+                step_loss = 0.0
                 for i, idx in enumerate(chunks):
                     set_gradient_sync(self.model, not self.defer_grad_sync or i == len(chunks) - 1)
                     value, stats = loss(idx)
                     # gradients are averaged across ranks: scale by the world size to sum them
-                    (value / denominator * self.world_size).backward()
+                    scaled = value / denominator * self.world_size
+                    scaled.backward()
+                    step_loss += float(scaled.detach())
                     for key, item in stats.items():
-                        totals[key] = totals.get(key, 0.0) + item
-                norms += self._optimizer_step()
+                        step_totals[key] = step_totals.get(key, 0.0) + item
+                norm = self._optimizer_step(step_loss)
+                taken = norm is not None
+                totals["nonfinite_steps"] += 0.0 if taken else 1.0
+                for key, item in step_totals.items():
+                    totals[key] = totals.get(key, 0.0) + (item if taken else 0.0)
+                if not taken:
+                    continue
+                norms += norm
                 steps += 1
         return totals, norms / max(steps, 1), steps
 

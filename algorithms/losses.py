@@ -16,6 +16,28 @@ Where this follows the GRPO paper (Shao et al., 2024) and where it does not:
   ``fixed-length`` (Dr. GRPO) divides the token sum by sequences * the generation budget, a
   constant, so a sequence's tokens weigh the same whatever its length.
 
+Numerical safety, which the paper does not need to state (these follow verl):
+
+- Every log-ratio is clamped to ``±LOG_RATIO_BOUND`` (20) before ``exp``: a ratio is at most
+  ``e^20 ≈ 4.9e8``, finite in float32, and its product with any advantage stays finite. A clip
+  range of a few tenths keeps sane ratios near 1, so the clamp binds only on a broken token (one
+  whose log-prob moved by 20 nats since it was sampled); there its gradient is zero.
+- The ``k3`` KL is clamped to at most ``KL_BOUND`` (10) per token, after its log-ratio was
+  clamped: one token 25 nats away from the reference would otherwise weigh ``e^25 ≈ 7e10``. A
+  token at the bound has no KL gradient. A policy within ~2.6 nats of the reference on every
+  token (reference probability < 13x the policy's) never meets it.
+- Masked positions never reach ``exp``: the log-ratio is zeroed there *before* it is
+  exponentiated (``torch.where``, which also stops a NaN or inf at a padded position from
+  turning into NaN through ``inf * 0``), and :func:`aggregate` selects the masked positions
+  out rather than multiplying them by zero.
+- Dual clip (Ye et al., 2020, "Mastering Complex Control in MOBA Games"; verl's
+  ``clip_ratio_c``), off unless ``dual_clip`` is given: for a negative advantage the clipped
+  surrogate grows without bound in the ratio, so the per-token loss is capped at
+  ``dual_clip * |A|`` (``dual_clip > 1``); a capped token has no gradient.
+
+On inputs where no bound binds, every function here returns exactly (bit for bit) what it would
+without them.
+
 No torch.distributed here: reductions across ranks belong to the caller.
 """
 
@@ -27,6 +49,54 @@ import torch
 from torch import Tensor
 
 Aggregation = Literal["token-mean", "sequence-mean", "fixed-length"]
+
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (verl's bound): ``e^20 ≈ 4.9e8`` is
+finite in float32 (``exp`` overflows past ~88.7) and far outside any sane clip range."""
+KL_BOUND = 10.0
+"""The per-token ``k3`` KL is clamped to at most 10 (verl's bound for its ``low_var_kl``)."""
+
+
+def log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor | None = None) -> Tensor:
+    """``logp - old_logp`` ``[N, T]``, 0 where ``mask`` is 0, clamped to ``±LOG_RATIO_BOUND``:
+    safe to exponentiate whatever the masked positions hold (even NaN or inf).
+
+    Args:
+        logp: ``[N, T]`` log-probs (gradients flow through it where ``mask`` is nonzero).
+        old_logp: ``[N, T]`` the log-probs to compare with.
+        mask: ``[N, T]``, nonzero on real tokens; None treats every position as real.
+    """
+    delta = logp - old_logp
+    if mask is not None:
+        delta = torch.where(mask != 0, delta, torch.zeros_like(delta))
+    return delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def dual_clip_loss(
+    loss: Tensor, advantages: Tensor, dual_clip: float | None
+) -> tuple[Tensor, Tensor]:
+    """Cap the per-token loss of negative-advantage tokens at ``dual_clip * |A|`` (verl's
+    semantics: ``where(A < 0, min(loss, -dual_clip * A), loss)``).
+
+    Args:
+        loss: ``[N, T]`` (or ``[N]``) per-token loss of a clipped surrogate.
+        advantages: broadcastable onto ``loss`` (``[N, 1]`` for sequence advantages).
+        dual_clip: the cap's factor, > 1; None returns ``loss`` unchanged.
+
+    Returns:
+        ``(loss, capped)``; ``capped`` marks where the cap binds (those tokens have no gradient).
+    """
+    if dual_clip is None:
+        return loss, torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip <= 1.0:
+        raise ValueError(
+            f"dual_clip ({dual_clip}) must be > 1: the cap dual_clip * |A| must lie above the "
+            f"clipped branch's (1 - clip_low) * |A|; 3.0 is usual"
+        )
+    negative = (advantages < 0).expand_as(loss)
+    cap = (-dual_clip * advantages).expand_as(loss)
+    capped = negative & (loss > cap)
+    return torch.where(capped, cap, loss), capped
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4) -> tuple[Tensor, Tensor]:
@@ -70,9 +140,17 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
 
 
 def clipped_surrogate(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+    mask: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PPO's clipped objective per token, as a loss (negated).
+    """PPO's clipped objective per token, as a loss (negated), with the log-ratio clamped
+    (:func:`log_ratio`) and, when ``dual_clip`` is set, negative-advantage tokens capped at
+    ``dual_clip * |A|``.
 
     Args:
         logp: ``[N, T]`` current log-probs (with grad).
@@ -80,23 +158,29 @@ def clipped_surrogate(
         advantages: ``[N]`` one advantage per sequence.
         clip_low: the ratio's lower bound is ``1 - clip_low``.
         clip_high: the ratio's upper bound is ``1 + clip_high``.
+        mask: ``[N, T]``, nonzero on real tokens; masked positions get ratio 1 (never ``exp``
+            of what they hold). None: every position is real.
+        dual_clip: the dual clip's factor (> 1), or None for none.
 
     Returns:
-        ``(loss [N, T], clipped [N, T] bool)``; ``clipped`` marks tokens where the clipped branch
-        is the active one (its gradient is zero).
+        ``(loss [N, T], clipped [N, T] bool)``; ``clipped`` marks tokens where a clipped branch
+        (the ratio's range, or the dual clip) is the active one (its gradient is zero).
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))
     adv = advantages.unsqueeze(1)  # [N, 1]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    return loss, clipped < unclipped
+    loss, capped = dual_clip_loss(loss, adv, dual_clip)
+    return loss, (clipped < unclipped) | capped
 
 
-def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """Per-token KL(policy || reference) estimate ``exp(ref - logp) - (ref - logp) - 1`` ``[N, T]``."""
-    delta = ref_logp - logp
-    return torch.exp(delta) - delta - 1.0
+def kl_k3(logp: Tensor, ref_logp: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-token KL(policy || reference) estimate ``exp(ref - logp) - (ref - logp) - 1``
+    ``[N, T]``, its log-ratio clamped to ``±LOG_RATIO_BOUND`` and the result to at most
+    ``KL_BOUND``; 0 where ``mask`` (``[N, T]``, optional) is 0."""
+    delta = log_ratio(ref_logp, logp, mask)
+    return (torch.exp(delta) - delta - 1.0).clamp(max=KL_BOUND)
 
 
 def truncated_importance_weights(
@@ -111,7 +195,7 @@ def truncated_importance_weights(
         sampler_logp: ``[N, T]`` the sampling engine's log-probs of the same tokens.
         cap: the truncation, > 0.
     """
-    ratio = torch.exp((trainer_logp - sampler_logp).detach())
+    ratio = torch.exp(log_ratio(trainer_logp, sampler_logp).detach())
     return ratio.clamp(max=cap), ratio > cap
 
 
@@ -149,10 +233,14 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation, denominator: f
     ``token-mean``: ``sum(loss * mask) / denominator`` (denominator = tokens in the mini-batch).
     ``sequence-mean``: each sequence's masked mean, summed, ``/ denominator`` (= sequences).
     ``fixed-length``: ``sum(loss * mask) / denominator`` (= sequences * generation budget).
+
+    Masked positions are selected out, not multiplied by zero: whatever they hold (inf, NaN)
+    reaches neither the value nor the gradient.
     """
+    weighted = torch.where(mask != 0, per_token * mask, torch.zeros_like(per_token))
     if denominator <= 0:
-        return per_token.sum() * 0.0
+        return weighted.sum() * 0.0
     if mode in ("token-mean", "fixed-length"):
-        return (per_token * mask).sum() / denominator
+        return weighted.sum() / denominator
     lengths = mask.sum(dim=1).clamp(min=1.0)
-    return ((per_token * mask).sum(dim=1) / lengths).sum() / denominator
+    return (weighted.sum(dim=1) / lengths).sum() / denominator

@@ -22,6 +22,10 @@ Where this deviates from the usual LLM PPO recipes (InstructGPT, TRL's ``PPOTrai
   gives the baseline, so no group is ever dropped for lack of reward spread.
 - Whitening covers advantages only (not rewards), over every completion token of the global
   batch; the value loss is aggregated like the policy loss (``loss_aggregation``).
+- The policy's log-ratio is clamped to ``±20`` and zeroed at padding before ``exp``, and
+  ``dual_clip`` (off by default) caps a negative-advantage token's loss at ``dual_clip * |A|``,
+  as in verl (:func:`pbt.algorithms.losses.clipped_surrogate`); an optimizer step whose loss or
+  gradient is NaN or inf is skipped and counted in ``nonfinite_steps``.
 
 No torch.distributed here: reductions across ranks go through :func:`pbt.distributed.all_reduce`.
 """
@@ -36,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from pbt.algorithms import losses
-from pbt.algorithms.grpo import GRPO, IMPORTANCE_TOTALS
+from pbt.algorithms.grpo import GRPO, IMPORTANCE_TOTALS, nonfinite_note
 from pbt.algorithms.models import lora_config
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
 from pbt.config import LoRAConfig
@@ -213,7 +217,7 @@ class PPO(GRPO):
             f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  loss {m['loss']:+.4f}  "
             f"vloss {m['value_loss']:.4f}  kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
             f"vclip {m['value_clip_fraction']:.2f}  ev {m['explained_variance']:+.2f}  "
-            f"len {m['completion_length']:.1f}  {m['tokens_per_s']:.0f} tok/s"
+            f"len {m['completion_length']:.1f}  {m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}"
         )
 
     # -- one update ------------------------------------------------------------------------
@@ -246,7 +250,7 @@ class PPO(GRPO):
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
         advantages = _whiten(advantages, mask)
         update = self._ppo_update(batch, advantages, returns, old_logp, old_values)
-        self.scheduler.step()
+        self._advance_schedule()
         tokens, kl_sum = all_reduce([float(mask.sum()), float(kl.sum()) if kl is not None else 0.0])
         return {
             **metrics,
@@ -261,7 +265,7 @@ class PPO(GRPO):
         micro = min(algo.micro_batch_size or mini, mini)
         names = ("policy_loss", "value_loss", "clipped", "value_clipped", "tokens")
         totals = dict.fromkeys(names + IMPORTANCE_TOTALS, 0.0)
-        norms, steps = 0.0, 0
+        norms, steps, nonfinite = 0.0, 0, 0
         for _ in range(algo.update_epochs):
             order = torch.randperm(len(batch), generator=self.generator)
             order = order.to(batch.completion_ids.device)
@@ -272,15 +276,25 @@ class PPO(GRPO):
                 )
                 denominator = all_reduce([local])[0]
                 chunks = [rows[s : s + micro] for s in range(0, len(rows), micro)]
+                step, step_loss = dict.fromkeys(totals, 0.0), 0.0
                 for i, idx in enumerate(chunks):
                     parts = (advantages[idx], returns[idx], old_logp[idx], old_values[idx])
                     last = i == len(chunks) - 1
-                    self._micro_step(batch.select(idx), *parts, denominator, last, totals)
-                norms += self._optimizer_step()
+                    step_loss += self._micro_step(
+                        batch.select(idx), *parts, denominator, last, step
+                    )
+                norm = self._optimizer_step(step_loss)  # every rank skips, or none does
+                if norm is None:
+                    nonfinite += 1
+                    continue
+                for key, value in step.items():
+                    totals[key] += value
+                norms += norm
                 steps += 1
         reduced = dict(zip(names, all_reduce([totals[n] for n in names]), strict=True))
         tokens = max(reduced["tokens"], 1.0)
-        policy, value = reduced["policy_loss"] / steps, reduced["value_loss"] / steps
+        policy = reduced["policy_loss"] / max(steps, 1)
+        value = reduced["value_loss"] / max(steps, 1)
         return {
             "loss": policy + algo.vf_coef * value,
             "policy_loss": policy,
@@ -289,21 +303,23 @@ class PPO(GRPO):
             "value_clip_fraction": reduced["value_clipped"] / tokens,
             "grad_norm": norms / max(steps, 1),
             "optimizer_steps": float(steps),
+            "nonfinite_steps": float(nonfinite),
             **self._importance_metrics(batch, totals),
         }
 
     def _micro_step(
         self, part, advantages, returns, old_logp, old_values, denominator, last, totals
-    ) -> None:
+    ) -> float:
         """Policy forward and backward, then critic forward and backward, on one micro-batch;
-        gradients reduce (FSDP, ``defer_grad_sync``) only after the last backward of a step."""
+        gradients reduce (FSDP, ``defer_grad_sync``) only after the last backward of a step.
+        Returns this rank's loss of the micro-batch (policy + ``vf_coef`` * value)."""
         algo, mask = self.algorithm, part.completion_mask
         mode, scale = algo.loss_aggregation, float(self.world_size)
         set_gradient_sync(self.model, not self.defer_grad_sync)
         logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)  # [n, C]
         flat_loss, flat_clipped = losses.clipped_surrogate(
             logp.reshape(-1, 1), old_logp.reshape(-1, 1), advantages.reshape(-1),
-            algo.clip_low, algo.clip_high,
+            algo.clip_low, algo.clip_high, mask=mask.reshape(-1, 1), dual_clip=algo.dual_clip,
         )  # fmt: skip
         per_token = self._importance_correct(flat_loss.view_as(logp), old_logp, part, mask, totals)
         policy = losses.aggregate(per_token, mask, mode, denominator)
@@ -322,6 +338,7 @@ class PPO(GRPO):
         totals["clipped"] += float((flat_clipped.view_as(logp).float() * mask).sum())
         totals["value_clipped"] += float((value_clipped.float() * mask).sum())
         totals["tokens"] += float(mask.sum())
+        return float(policy.detach()) + algo.vf_coef * float(value.detach())
 
     # -- passes without gradients ----------------------------------------------------------
 

@@ -66,13 +66,14 @@ class SFT(Learner):
         nll, tokens = all_reduce([totals["nll"], totals["tokens"]])
         lr = self.optimizer.param_groups[0]["lr"]
         self.step += 1
-        self.scheduler.step()
+        self._advance_schedule()
         return {
             "loss": nll / max(tokens, 1.0),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": tokens / self.algorithm.update_epochs,
             "optimizer_steps": float(steps),
+            "nonfinite_steps": totals["nonfinite_steps"],
         }
 
     @torch.no_grad()

@@ -6,8 +6,16 @@ An objective is two pure functions and the loss aggregation it was designed for:
   groups of ``group_size`` contiguous rows. ``has_signal`` is False for every member of a group
   whose rewards are all equal: the caller masks those sequences (or, with DAPO's dynamic
   sampling, drops the groups and samples more).
-- ``per_token_loss(logp, old_logp, advantages, mask, clip_low, clip_high)
+- ``per_token_loss(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip=None)
   -> (loss [N, T], clipped [N, T] bool)``; gradients flow through ``logp`` only.
+
+Every objective keeps masked positions out of ``exp`` (their log-ratio is zeroed first) and
+clamps log-ratios to ``±losses.LOG_RATIO_BOUND``; the ratio-clipped ones (``grpo``,
+``dr_grpo``, ``dapo``, ``gspo``) apply the optional dual clip (``dual_clip * |A|`` caps the loss
+of negative-advantage tokens; see :mod:`pbt.algorithms.losses`). ``cispo``'s weight is bounded
+by its clip range and REINFORCE has no ratio, so neither takes a dual clip (the config refuses
+one for them). Garbage (huge values, inf, NaN) at masked positions changes neither the loss nor
+its gradient.
 
 The caller adds the KL term (:func:`pbt.algorithms.losses.kl_k3` against the adapter-disabled
 reference, weighted by the user's ``beta``) and reduces with
@@ -23,6 +31,7 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 from torch import Tensor
 
@@ -30,7 +39,22 @@ from pbt.algorithms.losses import Aggregation
 from pbt.algorithms.objectives import cispo, dapo, dr_grpo, grpo, gspo, reinforce
 
 AdvantageFn = Callable[[Tensor, int, float], tuple[Tensor, Tensor]]
-LossFn = Callable[[Tensor, Tensor, Tensor, Tensor, float, float], tuple[Tensor, Tensor]]
+
+
+class LossFn(Protocol):
+    """``(logp, old_logp [N, T], advantages [N], mask [N, T], clip_low, clip_high,
+    dual_clip=None) -> (loss [N, T], clipped [N, T] bool)``."""
+
+    def __call__(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        clip_low: float,
+        clip_high: float,
+        dual_clip: float | None = None,
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,8 +68,8 @@ class Objective:
     advantages: AdvantageFn
     """``(rewards [N], group_size, eps) -> (advantages [N], has_signal [N] bool)``."""
     per_token_loss: LossFn
-    """``(logp, old_logp [N, T], advantages [N], mask [N, T], clip_low, clip_high)
-    -> (loss [N, T], clipped [N, T] bool)``."""
+    """``(logp, old_logp [N, T], advantages [N], mask [N, T], clip_low, clip_high,
+    dual_clip=None) -> (loss [N, T], clipped [N, T] bool)``."""
 
 
 def _objective(name: str, module: ModuleType, advantages: AdvantageFn | None = None) -> Objective:

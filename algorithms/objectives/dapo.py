@@ -11,7 +11,8 @@ GRPO's std-normalised advantages and clipped surrogate with DAPO's changes:
 
 Where this deviates from the paper: the paper drops the KL term; here the caller adds it (``k3``
 against the adapter-disabled reference) and beta is the user's choice, 0 recovering the paper.
-Groups without signal that reach the loss are masked, as in GRPO.
+Groups without signal that reach the loss are masked, as in GRPO; the log-ratio clamp, the
+masking before ``exp`` and the optional dual clip are GRPO's.
 """
 
 from __future__ import annotations

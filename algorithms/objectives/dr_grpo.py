@@ -14,6 +14,8 @@ Where this deviates from the paper, and why:
   loss down (and still pull through the KL term).
 - The KL term is the caller's (``k3`` against the adapter-disabled reference); the paper trains
   without it, here beta is the user's choice.
+- Masked positions are zeroed before ``exp``, the log-ratio is clamped to ``±20`` and the
+  optional dual clip caps a negative-advantage token's loss at ``dual_clip * |A|``, as GRPO.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def per_token_loss(
     mask: Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``; ``mask`` is unused."""
-    return losses.clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``, dual-clipped when
+    ``dual_clip`` is set; masked positions get ratio 1 (aggregation drops them)."""
+    return losses.clipped_surrogate(
+        logp, old_logp, advantages, clip_low, clip_high, mask=mask, dual_clip=dual_clip
+    )

@@ -10,6 +10,9 @@ Where this deviates from the paper, and why:
 - The aggregation is ``token-mean`` (DAPO's), not the paper's per-sequence mean, which favours
   long wrong answers; the caller may override it with the user's configured aggregation.
 - The KL term is the caller's: ``k3`` against the adapter-disabled reference, weighted by beta.
+- Numerical safety the paper does not state: masked positions are zeroed before ``exp``, the
+  log-ratio is clamped to ``±20`` and, with ``dual_clip`` set, a negative-advantage token's loss
+  is capped at ``dual_clip * |A|`` (see :mod:`pbt.algorithms.losses`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ def per_token_loss(
     mask: Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``; ``mask`` is unused
-    (aggregation applies it). Clipped tokens have zero gradient."""
-    return losses.clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``, dual-clipped when
+    ``dual_clip`` is set; masked positions get ratio 1 (aggregation drops them). Clipped tokens
+    have zero gradient."""
+    return losses.clipped_surrogate(
+        logp, old_logp, advantages, clip_low, clip_high, mask=mask, dual_clip=dual_clip
+    )

@@ -12,7 +12,11 @@ The paper's clip ranges are far smaller than PPO's (e.g. 3e-4 and 4e-4), since a
 ratio moves much less than a token's; the caller's config decides.
 
 Where this deviates from the paper: groups without signal are masked; the KL term is the
-caller's (``k3`` against the adapter-disabled reference, beta the user's choice).
+caller's (``k3`` against the adapter-disabled reference, beta the user's choice). Each token's
+log-ratio is zeroed at masked positions and clamped to ``±20`` before the sequence mean (so the
+sequence's log-ratio is within ``±20`` before ``exp``), and the optional dual clip caps a
+negative-advantage sequence's loss at ``dual_clip * |A|``, as verl's token-level dual clip does
+for a token.
 """
 
 from __future__ import annotations
@@ -37,14 +41,16 @@ def per_token_loss(
     mask: Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each sequence's clipped loss broadcast onto its tokens ``[N, T]``, and ``clipped``
     ``[N, T]``: True on every token of a sequence whose clipped branch is active."""
     lengths = mask.sum(dim=1).clamp(min=1.0)  # [N]
-    log_ratio = ((logp - old_logp) * mask).sum(dim=1) / lengths
+    log_ratio = (losses.log_ratio(logp, old_logp, mask) * mask).sum(dim=1) / lengths
     ratio = torch.exp(log_ratio)  # [N]
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)  # [N]
+    loss, capped = losses.dual_clip_loss(-torch.minimum(unclipped, clipped), advantages, dual_clip)
     shape = logp.shape
-    return loss.unsqueeze(1).expand(shape), (clipped < unclipped).unsqueeze(1).expand(shape)
+    clipped_any = (clipped < unclipped) | capped  # [N]
+    return loss.unsqueeze(1).expand(shape), clipped_any.unsqueeze(1).expand(shape)

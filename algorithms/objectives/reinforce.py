@@ -14,6 +14,8 @@ Where this deviates from the textbook estimator, and why:
 - Groups whose rewards are all equal are masked (``has_signal`` False), as in GRPO.
 - The KL term is the caller's (``k3`` against the adapter-disabled reference), not a reward
   penalty as in the paper.
+- No ratio, so nothing to clamp and no dual clip (the config refuses one for REINFORCE); the
+  log-prob is zeroed at masked positions, so padding holds neither value nor gradient.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ def per_token_loss(
     mask: Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``-A * logp`` ``[N, T]`` and an all-False ``clipped``; only ``logp`` and ``advantages``
-    are used."""
-    loss = -advantages.unsqueeze(1) * logp
+    """``-A * logp`` ``[N, T]`` (0 at masked positions) and an all-False ``clipped``;
+    ``old_logp`` and the clip arguments are unused, ``dual_clip`` must be None."""
+    if dual_clip is not None:
+        raise ValueError("reinforce takes no dual clip: it has no importance ratio")
+    loss = -advantages.unsqueeze(1) * torch.where(mask != 0, logp, 0.0)
     return loss, torch.zeros_like(logp, dtype=torch.bool)

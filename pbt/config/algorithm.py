@@ -102,6 +102,14 @@ class AlgorithmConfig:
     """PPO: discount per completion token in GAE (1.0: no discount)."""
     lam: float = 0.95
     """PPO: GAE's lambda, trading the critic's bias (0) for the returns' variance (1)."""
+    dual_clip: float | None = None
+    """GRPO/PPO: cap the per-token loss of negative-advantage tokens at ``dual_clip * |A|``
+    (verl's dual clip, ``clip_ratio_c``), so a token whose ratio exploded cannot dominate the
+    update; must be > 1 (3.0 is usual); null disables it. Not for ``cispo`` or REINFORCE, whose
+    loss has no unbounded ratio."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row whose loss or gradient is NaN or inf before the member fails as
+    ``diverged``; each such step is skipped (no update) and counted in ``nonfinite_steps``."""
 
     @property
     def batch_completions(self) -> int:
@@ -130,6 +138,11 @@ class AlgorithmConfig:
             )
         if self.max_resamples < 0:
             problems.append(f"{prefix}.max_resamples ({self.max_resamples}) must be >= 0")
+        positive(
+            problems, f"{prefix}.max_nonfinite_steps", self.max_nonfinite_steps,
+            "3 is usual; a larger value tolerates more skipped steps in a row",
+        )  # fmt: skip
+        problems += self._check_dual_clip(prefix)
         if self.name not in RL_ALGORITHMS:
             positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
             return problems + self._check_batches(prefix)
@@ -155,6 +168,22 @@ class AlgorithmConfig:
         positive(problems, f"{prefix}.advantage_eps", self.advantage_eps)
         problems += self._check_batches(prefix)
         return problems
+
+    def _check_dual_clip(self, prefix: str) -> list[str]:
+        if self.dual_clip is None:
+            return []
+        if self.name not in ("GRPO", "PPO") or (self.name == "GRPO" and self.loss == "cispo"):
+            what = "cispo" if self.name == "GRPO" else self.name
+            return [
+                f"{prefix}.dual_clip ({self.dual_clip}) has no effect with {what}: its loss has "
+                "no unbounded importance ratio to cap; set it to null"
+            ]
+        if not self.dual_clip > 1.0:
+            return [
+                f"{prefix}.dual_clip ({self.dual_clip}) must be > 1 (the cap dual_clip * |A| "
+                "lies above the clipped branch); use 3.0, or null to disable it"
+            ]
+        return []
 
     def _check_ppo(self, prefix: str) -> list[str]:
         problems = [] if self.group_size >= 1 else [

@@ -27,3 +27,22 @@ class ConfigError(PbtError, ValueError):
 
 class CheckpointError(PbtError):
     """A checkpoint is missing, incomplete, corrupted or incompatible; nothing was loaded."""
+
+
+class DivergedError(PbtError):
+    """Training diverged: the loss or gradient was non-finite (NaN or inf) for
+    ``algorithm.max_nonfinite_steps`` optimizer steps in a row, each of them skipped.
+
+    The member's task fails with fault kind ``diverged``; the campaign retries it from its
+    parent's checkpoint and, after its last attempt, replaces it.
+    """
+
+    def __init__(self, steps_in_a_row: int, limit: int, step: int) -> None:
+        self.steps_in_a_row, self.limit, self.step = steps_in_a_row, limit, step
+        super().__init__(
+            f"training diverged at step {step}: the loss or gradient was NaN or inf for "
+            f"{steps_in_a_row} optimizer steps in a row (algorithm.max_nonfinite_steps = "
+            f"{limit}), each one skipped; lower optim.lr, keep optim.max_grad_norm > 0 (lower "
+            f"it to clip harder), set algorithm.dual_clip (e.g. 3.0) for a ratio objective, or "
+            f"raise algorithm.max_nonfinite_steps to tolerate more"
+        )

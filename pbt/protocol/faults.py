@@ -1,4 +1,5 @@
-"""Faults a member reports by kind: out of memory and a full disk. No torch here.
+"""Faults a member reports by kind: out of memory, a full disk, and diverged training. No torch
+here.
 
 A member process that fails for want of memory (``MemoryError``, ``torch.OutOfMemoryError``,
 CUDA's or the CPU allocator's out-of-memory errors) or of disk space (``ENOSPC``, ``EDQUOT``,
@@ -8,6 +9,10 @@ its task folder before it exits non-zero. The launcher reads it back, so the cam
 A process that ran out of memory before it could write the file (torchrun's agent, or an import)
 is recognised by the last line of its log, Python's ``MemoryError``; one that could not write the
 file because the disk is full, by the error it printed last.
+
+A member whose loss or gradient stayed NaN or inf for ``algorithm.max_nonfinite_steps`` steps in
+a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``diverged``: like a
+failed member, it is retried from its parent and then replaced.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from pbt.config.errors import DivergedError
 from pbt.protocol.files import read_json, write_json_atomic
 
 FAULT_FILE = "fault.json"
-FaultKind = Literal["out_of_memory", "disk_full"]
-KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full")
+FaultKind = Literal["out_of_memory", "disk_full", "diverged"]
+KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full", "diverged")
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
@@ -31,7 +37,7 @@ _DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((EN
 
 
 def classify(err: BaseException) -> FaultKind | None:
-    """``out_of_memory``, ``disk_full``, or None for any other error.
+    """``out_of_memory``, ``disk_full``, ``diverged``, or None for any other error.
 
     The error and the errors it was raised from or while handling are looked at, so a
     checkpoint write that failed for a full disk counts as ``disk_full``. torch is never
@@ -40,6 +46,8 @@ def classify(err: BaseException) -> FaultKind | None:
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
+        if isinstance(err, DivergedError):
+            return "diverged"
         if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
             return "out_of_memory"
         if isinstance(err, OSError) and err.errno == errno.ENOMEM:
