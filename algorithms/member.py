@@ -2,7 +2,8 @@
 
 This is what a torchrun group trains. Saving gathers everything a member is into one
 checkpoint (see :mod:`pbt.algorithms.checkpoint`); loading a checkpoint and training on gives
-exactly what training straight through would have given.
+exactly what training straight through would have given. :meth:`Member.train` is the one step
+loop: the task worker, standalone ``pbt train`` and library mode all train through it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
+from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
@@ -35,6 +37,9 @@ from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_gather_objects, barrier, init_process_group
 from pbt.distributed.fsdp import shard_model
 from pbt.distributed.state import gather_parameters, load_parameters
+
+StepCallback = Callable[[int, dict[str, float]], None]
+"""Called after each training step with the lineage's step count and the step's metrics."""
 
 
 class Host:
@@ -148,6 +153,37 @@ class Member:
             "generation": 0,
             "mutation": None,
         }
+
+    def train_step(self) -> dict[str, float]:
+        """One training step on the task's training split; returns its metrics."""
+        return self.learner.train_step(self.task.train, self.task.reward_fn)
+
+    def train(
+        self,
+        steps: int,
+        on_step: StepCallback | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train ``steps`` steps; returns every step's metrics, each with its ``"step"``.
+
+        Args:
+            steps: how many steps to take.
+            on_step: called after each step with the lineage's step count (parents' steps
+                included) and the step's metrics: where the caller prints, records or logs.
+            say: where a step that learned nothing (every group's rewards identical, so the
+                update was skipped) is explained, as ``step N: <why, and what to change>``;
+                None says nothing.
+        """
+        history = []
+        for _ in range(steps):
+            metrics = self.train_step()
+            step = self.learner.step
+            if say is not None and metrics.get("skipped"):
+                say(f"step {step}: {ZERO_SIGNAL_HINT}")
+            if on_step is not None:
+                on_step(step, metrics)
+            history.append({"step": step, **metrics})
+        return history
 
     def attributes(self) -> dict[str, Any]:
         """Everything the member is, as plain data for ``attributes.pt``: every tensor a fresh

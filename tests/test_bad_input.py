@@ -6,6 +6,8 @@ Each case is ``(sections, key, value, fix)``: the message must contain all three
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 import yaml
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.loader import load_manifest, manifest_from_dict
 from pbt.library.create import create_population
 
 OFFLOAD = {"cpu_offload": True, "optim_cpu_offload": False}
@@ -258,3 +260,130 @@ def test_validation_leaves_the_callers_dicts_alone(folder):
     with pytest.raises(ConfigError):
         manifest_from_dict(sections, base_dir=folder)
     assert sections == {"INIT_HP": {"LR": 1e-3}, "optim": {"lr": 1e-4}}
+
+
+def _bad_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Manifest files no command can start from, each with a part of the message it gets."""
+    (folder / "unclosed.yaml").write_text("model: [unclosed\n")
+    (folder / "latin1.yaml").write_bytes(b"model:\n  name: caf\xe9\n")
+    (folder / "list.yaml").write_text("- model\n- optim\n")
+    (folder / "typo.yaml").write_text("optim:\n  lrr: 1.0e-4\n")
+    (folder / "a-folder.yaml").mkdir()
+    return {
+        "missing file": (folder / "nowhere.yaml", "No such file or directory; check the path"),
+        "a folder": (folder / "a-folder.yaml", "Is a directory; check the path"),
+        "not UTF-8": (folder / "latin1.yaml", "byte 0xe9 at offset 18 is not UTF-8 text"),
+        "invalid YAML": (folder / "unclosed.yaml", "not valid YAML at line 2, column 1"),
+        "a list": (folder / "list.yaml", "top level must be a mapping"),
+        "a typo": (folder / "typo.yaml", "optim.lrr is not a known key; did you mean 'lr'?"),
+    }
+
+
+def _pbt_all(commands: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
+    """Run several ``pbt`` commands at once (each exits at once) and collect them."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pbt.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+def test_run_refuses_a_bad_manifest_file_as_check_does(folder):
+    """``pbt run`` reads the file once and, like ``pbt check``, names it in one message:
+    exit 2, no traceback, and no campaign directory left behind."""
+    files = _bad_files(folder)
+    commands = {}
+    for name, (path, _) in files.items():
+        commands[f"run {name}"] = ["run", str(path), "--dir", str(folder / f"c-{len(commands)}")]
+        commands[f"check {name}"] = ["check", str(path)]
+    done = _pbt_all(commands)
+    for name, (path, expected) in files.items():
+        run, check = done[f"run {name}"], done[f"check {name}"]
+        assert run.returncode == 2, (name, run.returncode, run.stderr)
+        assert "Traceback" not in run.stderr + run.stdout, (name, run.stderr)
+        assert run.stderr.startswith(f"error: {path}: 1 problem\n"), (name, run.stderr)
+        assert expected in run.stderr, (name, run.stderr)
+        assert run.stderr == check.stderr, name
+        assert len(run.stderr.splitlines()) == 2, (name, run.stderr)
+    assert not list(folder.glob("c-*")), "a refused manifest created a campaign directory"
+
+
+def test_resume_refuses_a_folder_that_holds_no_campaign(folder):
+    (folder / "empty").mkdir()
+    (folder / "junk").mkdir()
+    (folder / "junk" / "store.db").write_text("not a database\n")
+    cases = {
+        "missing folder": (folder / "nowhere", "holds no campaign (no store.db)"),
+        "empty folder": (folder / "empty", "holds no campaign (no store.db)"),
+        "a file": (folder / "rewards.py", "holds no campaign (no store.db)"),
+        "junk store": (folder / "junk", "is not a usable SQLite database"),
+    }
+    done = _pbt_all({name: ["resume", str(path)] for name, (path, _) in cases.items()})
+    for name, (path, expected) in cases.items():
+        proc = done[name]
+        assert proc.returncode == 2, (name, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr + proc.stdout, (name, proc.stderr)
+        assert str(path) in proc.stderr and expected in proc.stderr, (name, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1, (name, proc.stderr)
+    assert sorted(p.name for p in (folder / "empty").iterdir()) == []
+
+
+def test_a_loaded_manifest_names_its_file_in_every_problem_header(folder):
+    path = folder / "m.yaml"
+    path.write_text("optim:\n  lrr: 1.0e-4\nalgorithm:\n  group_size: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_manifest(path)
+    assert err.value.source == str(path)
+    assert str(err.value).startswith(f"{path}: 2 problems")
+
+
+def test_loading_leaves_the_callers_dicts_alone(folder):
+    """INIT_HP is folded into the sections of a copy, also when everything is valid."""
+    sections = {
+        "INIT_HP": {"LR": 1e-4, "POP_SIZE": 3},
+        "optim": {},
+        "mutation": {"ranges": {"lr": {"min": 1e-5, "max": 1e-3}}},
+    }
+    before = copy.deepcopy(sections)
+    manifest = manifest_from_dict(sections, base_dir=folder)
+    assert manifest.optim.lr == 1e-4 and manifest.population.size == 3
+    assert sections == before
+    manifest.mutation.ranges["lr"]["min"] = 0.5
+    assert sections == before, "the manifest shares a dict with its input"
+
+
+def test_create_population_leaves_the_callers_manifest_and_dicts_alone(folder):
+    manifest = manifest_from_dict(
+        {"training": {"device": "cpu"}, "population": {"size": 4}}, base_dir=folder
+    )
+    before = dataclasses.asdict(manifest)
+    pop = create_population(
+        manifest=manifest,
+        model_name="builtin:tiny",
+        device="cpu",
+        population_size=2,
+        hp_config={"lr": {"min": 1e-5, "max": 1e-3}},
+        init_sampler="random",
+    )
+    assert dataclasses.asdict(manifest) == before
+    assert pop.manifest is not manifest and len(pop) == 2
+    assert pop.manifest.population.init_sampler == "random"
+    assert set(pop.manifest.mutation.ranges) == {"lr"}
+    with pytest.raises(ConfigError, match=r"population\.size \(0\)"):
+        create_population(manifest=manifest, population_size=0)
+    assert dataclasses.asdict(manifest) == before
+
+    init_hp, config = {"LR": 1e-4, "POP_SIZE": 4}, {"training": {"device": "cpu"}}
+    given = copy.deepcopy((init_hp, config))
+    pop = create_population(INIT_HP=init_hp, config=config, model_name="x", population_size=2)
+    assert (init_hp, config) == given
+    assert len(pop) == 2 and pop.manifest.model.name == "x"

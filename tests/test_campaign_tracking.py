@@ -1,21 +1,32 @@
 """Campaigns in MLflow: against a real ``mlflow server`` on localhost (through an outage too), in
-the embedded store, and in the MLflow UI as a browser renders it. The fake member keeps each
-campaign to seconds."""
+the embedded store (across a crash and resume), and through ``pbt ui`` (its processes found in
+Linux's /proc), as a browser renders it. The fake member keeps each campaign to seconds."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import MlflowServer, start_campaign, write_manifest
+import yaml
+from support import free_port, start_campaign, write_manifest
 
+from pbt.config import manifest_from_dict
 from pbt.controller.campaign import Campaign
+from pbt.controller.run_schema import config_params
 from pbt.controller.store import CampaignStore
+from pbt.controller.tracking import default_uri
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +82,7 @@ def _check_everything_arrived(uri: str, directory: Path, generations: int = 3) -
             assert run.data.tags["generation"] == str(generation)
             assert run.data.tags["parent_member"] == (m.parent_id or "")
             assert run.data.tags["mutation"] == (m.mutation or "initial")
+            assert run.data.params == {k: str(v) for k, v in m.hyperparameters.items()}
             steps = [x.step for x in client.get_metric_history(run.info.run_id, "reward_mean")]
             assert steps == list(range(m.steps - 1, m.steps + 1))  # evo_steps = 2 per task
             (fitness,) = client.get_metric_history(run.info.run_id, "fitness")
@@ -163,27 +175,157 @@ def test_campaign_survives_a_minute_long_tracking_outage(tmp_path, server):
     _check_everything_arrived(server.uri, directory, generations=7)
 
 
+def test_a_resumed_campaign_keeps_its_params_and_nothing_is_refused(tmp_path, caplog):
+    """Killed after generation 1 trained, then resumed (its configuration read back from the
+    store, keys sorted): the runs hold the params logged at the start, MLflow refused nothing,
+    and everything arrived in the embedded store."""
+    directory = tmp_path / "c"
+    manifest = tmp_path / "manifest.yaml"  # keys as a person writes them, not sorted
+    manifest.write_text(yaml.safe_dump(MANIFEST, sort_keys=False))
+    assert list(MANIFEST["mutation"]["ranges"]["lr"]) != sorted(
+        MANIFEST["mutation"]["ranges"]["lr"]
+    )
+    crash = {"PBT_CRASH_AT": "selection:2"}
+    killed = start_campaign(manifest, directory, FAKE, 0.05, env=crash, stdout=subprocess.DEVNULL)
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    assert _committed(directory) == 0
+    with caplog.at_level(logging.WARNING, logger="pbt.controller.tracking"):
+        resumed = Campaign.resume(directory, member_command=FAKE)
+        resumed.say = lambda *_: None
+        try:
+            resumed.run()
+        finally:
+            resumed.close()
+    assert not [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    uri = default_uri(directory)
+    _check_everything_arrived(uri, directory)
+    started = manifest_from_dict(yaml.safe_load(manifest.read_text()), base_dir=str(tmp_path))
+    with CampaignStore(directory / "store.db") as store:
+        raw = store.load_config()
+    stored = manifest_from_dict(raw["manifest"], base_dir=raw["base_dir"])
+    assert config_params(stored) == config_params(started)  # the same text either way
+    assert _campaign_runs(uri, directory)[directory.name].data.params == config_params(started)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small finished campaign logged to its embedded store, read by the ``pbt ui`` tests."""
+    directory = tmp_path_factory.mktemp("ui") / "campaign-ui"
+    _run(_manifest(directory.parent), directory)
+    return directory
+
+
+class _Ui:
+    """``pbt ui DIR`` in a subprocess, with a ``BROWSER`` that only writes down what it was
+    asked to open."""
+
+    def __init__(self, directory: Path, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.opened = tmp_path / "opened"
+        browser = tmp_path / "browser"
+        browser.write_text(f'#!/bin/sh\necho "$1" >> {self.opened}\n')
+        browser.chmod(0o755)
+        command = [sys.executable, "-m", "pbt.cli", "ui", str(directory), "--port", str(self.port)]
+        self.proc = subprocess.Popen(
+            command, env=os.environ | {"BROWSER": f"{browser} %s"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.server: set[int] = set()
+        """The processes below it once its server answered."""
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def page(self, timeout: float = 240.0) -> str:
+        """The page it printed once its server answered."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if line.startswith("MLflow UI: "):
+                    self.server = _descendants(self.proc.pid)
+                    return line.split()[2]
+            assert self.proc.poll() is None, "".join(self.lines)[-3000:]
+            time.sleep(0.2)
+        raise TimeoutError(f"pbt ui printed no page in {timeout} s: {''.join(self.lines)[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM it, then SIGKILL whatever of it is left."""
+        left = self.server | _descendants(self.proc.pid)
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=20)
+        for pid in {self.proc.pid, *left}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid``, from /proc."""
+    children: dict[int, set[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), set()).add(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        below = children.get(todo.pop(), set()) - found
+        found |= below
+        todo += below
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, waiting to be reaped, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def ui(finished: Path, tmp_path: Path) -> Iterator[_Ui]:
+    ui = _Ui(finished, tmp_path)
+    try:
+        yield ui
+    finally:
+        ui.stop()
+
+
+def _experiment_id(directory: Path) -> str:
+    runs = _campaign_runs(default_uri(directory), directory)
+    return next(iter(runs.values())).info.experiment_id
+
+
+def test_pbt_ui_opens_the_campaigns_runs_and_sigterm_stops_its_server(finished, ui):
+    page = ui.page()
+    assert page == f"http://127.0.0.1:{ui.port}/#/experiments/{_experiment_id(finished)}/runs"
+    deadline = time.monotonic() + 30
+    while not (ui.opened.exists() and ui.opened.read_text().split()):
+        assert time.monotonic() < deadline, "pbt ui opened no browser"
+        time.sleep(0.1)
+    assert ui.opened.read_text().split() == [page]
+    server = ui.server  # mlflow server and its uvicorn
+    assert len(server) >= 2, server
+    ui.proc.send_signal(signal.SIGTERM)
+    assert ui.proc.wait(timeout=20) == 0
+    deadline = time.monotonic() + 5
+    while {pid for pid in server if _running(pid)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not {pid for pid in server if _running(pid)}, "the mlflow server outlived pbt ui"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{ui.port}/health", timeout=2)
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (./dev setup installs it)")
-def test_the_mlflow_ui_shows_the_campaign(tmp_path):
-    directory = tmp_path / "campaign-ui"
-    _run(_manifest(tmp_path), directory)  # the embedded store, directory/mlflow.db
-    uri = f"sqlite:///{directory.resolve()}/mlflow.db"
-    runs = _campaign_runs(uri, directory)
-    assert len(runs) == 1 + 3 * 3
-    experiment_id = next(iter(runs.values())).info.experiment_id
-    command = [sys.executable, "-m", "pbt.cli", "ui", str(directory), "--port", "{port}"]
-    ui = MlflowServer(tmp_path, command)
-    try:
-        ui.start(timeout=240)
-        page = f"{ui.uri}/#/experiments/{experiment_id}/runs"
-        text = _render(page, must_contain="10 matching runs")
-    finally:
-        ui.stop()
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (./dev test installs it)")
+def test_the_page_pbt_ui_opens_shows_the_campaign(finished, ui):
+    assert len(_campaign_runs(default_uri(finished), finished)) == 1 + 3 * 3
+    text = _render(ui.page(), must_contain="10 matching runs")
     # the campaign's run is listed, its 9 member runs nested under it
-    assert "campaign-ui" in text and f"campaign {directory.resolve()}" in text
+    assert "campaign-ui" in text and f"campaign {finished.resolve()}" in text
 
 
 def _render(url: str, must_contain: str, attempts: int = 4) -> str:

@@ -1,13 +1,18 @@
-"""The inspection commands on a real checkpoint: inspect, export, export --merge."""
+"""The inspection commands on a real checkpoint: inspect, export, export --merge; and Ctrl-C
+during ``pbt run``."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import subprocess
 import sys
 
 import torch
+import yaml
 from peft import PeftModel
-from support import small_manifest
+from support import small_manifest, small_sections
 from transformers import AutoModelForCausalLM
 
 from pbt.algorithms.member import Member
@@ -56,3 +61,35 @@ def test_inspect_refuses_a_corrupted_checkpoint(tmp_path):
     shown = _pbt("inspect", str(tmp_path / "ckpt"))
     assert shown.returncode == 2 and "does not match its digest" in shown.stderr
     assert "Traceback" not in shown.stderr
+
+
+def test_ctrl_c_during_run_names_the_command_that_resumes(tmp_path):
+    """SIGINT to the controller's process group, as a terminal's Ctrl-C sends it, once the
+    campaign has started: exit 130, no traceback, and the resume command with the real path."""
+    sections = small_sections(tmp_path)
+    sections |= {
+        "population": {"size": 2, "tournament_size": 2},
+        "launch": {"slots": 1},
+        "tracking": {"enabled": False},
+    }
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    directory = tmp_path / "my campaign"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pbt.cli", "run", str(path), "--dir", str(directory)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith(f"campaign {directory}: started"), first + proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert f"interrupted: resume with pbt resume {shlex.quote(str(directory))}" in err, err
+    assert "pbt resume DIR" not in err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -52,18 +53,31 @@ def _run(args: argparse.Namespace) -> int:
 
     manifest = args.manifest or default_manifest_path()
     directory = Path(args.dir or f"runs/campaign-{time.strftime('%Y%m%d-%H%M%S')}")
-    campaign = Campaign.start(manifest, directory)
-    print(f"campaign {directory}: started from {manifest}")
-    return _drive(campaign)
+    try:
+        campaign = Campaign.start(manifest, directory)
+        print(f"campaign {directory}: started from {manifest}", flush=True)
+        return _drive(campaign)
+    except KeyboardInterrupt:
+        print(f"\n{interrupted_message(directory)}", file=sys.stderr)
+        return 130
 
 
 def _resume(args: argparse.Namespace) -> int:
 
-    campaign = Campaign.resume(args.dir)
-    print(
-        f"campaign {args.dir}: resuming after generation {campaign.store.last_committed_generation()}"
-    )
-    return _drive(campaign)
+    directory = Path(args.dir)
+    try:
+        campaign = Campaign.resume(directory)
+        generation = campaign.store.last_committed_generation()
+        print(f"campaign {directory}: resuming after generation {generation}", flush=True)
+        return _drive(campaign)
+    except KeyboardInterrupt:
+        print(f"\n{interrupted_message(directory)}", file=sys.stderr)
+        return 130
+
+
+def interrupted_message(directory: Path) -> str:
+    """What Ctrl-C during ``pbt run`` or ``pbt resume`` prints: the command that continues."""
+    return f"interrupted: resume with pbt resume {shlex.quote(str(directory))}"
 
 
 def _drive(campaign) -> int:
@@ -114,7 +128,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
 
-    return serve_mlflow(Path(args.dir), args.port)
+    return serve_mlflow(Path(args.dir), args.port, open_browser=not args.no_browser)
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -164,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("dir")
         p.add_argument("--port", type=int, default=port)
         p.set_defaults(func=func)
+        if name == "ui":
+            p.add_argument(
+                "--no-browser", action="store_true", help="print the runs page, open nothing"
+            )
 
     train_parser(sub.add_parser("train", help="train one member")).set_defaults(func=_train)
     check = sub.add_parser("check", help="validate a manifest")
@@ -181,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted: resume with pbt resume DIR", file=sys.stderr)
+        print("\ninterrupted", file=sys.stderr)
         return 130
 
 

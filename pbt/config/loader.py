@@ -45,30 +45,83 @@ INIT_HP_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
-def load_manifest(path: str | Path) -> Manifest:
-    """Read a YAML manifest file and validate it.
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManifestFile:
+    """A manifest file as read once: its text, its sections as parsed, and the manifest."""
+
+    path: Path
+    text: str
+    """The file's text, as read (a campaign keeps a copy)."""
+    sections: dict[str, Any]
+    """The YAML as parsed, before validation; never changed by it (a campaign stores these)."""
+    manifest: Manifest
+
+
+def read_manifest_file(path: str | Path) -> ManifestFile:
+    """Read a YAML manifest file once and validate it; problems name the file.
 
     Raises:
-        ConfigError: the file is missing or unreadable, or any key or value breaks a rule.
+        ConfigError: the file is missing, a folder, unreadable or not valid YAML, its top level
+            is not a mapping, or any key or value breaks a rule.
     """
     path = Path(path)
+    text = _read_text(path)
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(
-            [f"cannot read {path}: {err.strerror}; check the path"], str(path)
-        ) from None
-    try:
-        data = yaml.safe_load(text)
+        sections = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError([f"not valid YAML: {err}"], str(path)) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
+        raise ConfigError([_yaml_problem(err)], str(path)) from None
+    if sections is None:
+        sections = {}
+    if not isinstance(sections, dict):
         raise ConfigError(
-            [f"top level must be a mapping of sections, got {type(data).__name__}"], str(path)
+            [
+                f"top level must be a mapping of sections, got {type(sections).__name__}; "
+                "write sections like 'model:' and 'optim:' at the left margin"
+            ],
+            str(path),
         )
-    return manifest_from_dict(data, base_dir=path.resolve().parent, source=str(path))
+    manifest = manifest_from_dict(sections, base_dir=path.resolve().parent, source=str(path))
+    return ManifestFile(path=path, text=text, sections=sections, manifest=manifest)
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a YAML manifest file and validate it (:func:`read_manifest_file`'s manifest).
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or any key or value breaks a rule.
+    """
+    return read_manifest_file(path).manifest
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise ConfigError([f"cannot read {path}: {reason}; check the path"], str(path)) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            [
+                f"cannot read {path}: byte {err.object[err.start]:#04x} at offset {err.start} "
+                "is not UTF-8 text; save the manifest as UTF-8 YAML"
+            ],
+            str(path),
+        ) from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: where, what, and in which construct."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return f"not valid YAML: {' '.join(str(err).split())}; fix the syntax"
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None:
+        problem += f" ({context} started at line {start.line + 1}, column {start.column + 1})"
+    elif context:
+        problem += f" ({context})"
+    return f"not valid YAML at {where}: {problem}; fix the syntax there"
 
 
 def manifest_from_dict(

@@ -33,11 +33,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.loader import manifest_from_dict, read_manifest_file
 from pbt.config.ranges import base_hyperparameters, hp_ranges
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.launch import (
@@ -50,9 +48,13 @@ from pbt.controller.launch import (
 )
 from pbt.controller.population import (
     INIT_STUDY,
+    breed,
     build_mutations,
     build_selection,
+    child_record,
     initial_records,
+    lineage_event,
+    selection_events,
 )
 from pbt.controller.search import (
     OptunaSearch,
@@ -90,11 +92,15 @@ class Campaign:
     """
 
     def __init__(
-        self, directory: Path, raw: dict[str, Any], member_command: list[str] | None = None
+        self,
+        directory: Path,
+        raw: dict[str, Any],
+        manifest: Manifest,
+        member_command: list[str] | None = None,
     ) -> None:
         self.dir = directory
-        self.raw = raw
-        self.manifest: Manifest = manifest_from_dict(raw["manifest"], base_dir=raw["base_dir"])
+        self.raw = raw  # what the store keeps: the sections as written, and their folder
+        self.manifest = manifest  # raw, validated once by start or resume
         self._lock = _acquire_lock(directory / "controller.lock")
         self.store = CampaignStore(directory / STORE_FILENAME)
         self.selection = build_selection(self.manifest)
@@ -115,7 +121,11 @@ class Campaign:
     ) -> Campaign:
         """Create ``directory`` as a new campaign from a manifest file and build generation 0.
 
+        The file is read and validated once, before anything is created; the store keeps its
+        sections as written, and the campaign folder a copy of its text.
+
         Raises:
+            ConfigError: the manifest cannot be read or breaks a rule (the message names it).
             PbtError: the directory already holds a campaign (use resume) or is not empty.
         """
         directory = Path(directory)
@@ -125,18 +135,12 @@ class Campaign:
             )
         if directory.exists() and any(directory.iterdir()):
             raise PbtError(f"{directory} is not empty; choose a new campaign directory")
-        path = Path(manifest_path)
-        raw = {
-            "manifest": yaml.safe_load(path.read_text()) or {},
-            "base_dir": str(path.resolve().parent),
-        }
-        manifest_from_dict(
-            raw["manifest"], base_dir=raw["base_dir"]
-        )  # validate before creating anything
+        read = read_manifest_file(manifest_path)
+        raw = {"manifest": read.sections, "base_dir": read.manifest.base_dir}
         directory.mkdir(parents=True, exist_ok=True)
-        campaign = cls(directory, raw, member_command)
+        campaign = cls(directory, raw, read.manifest, member_command)
         campaign.store.save_config(raw)
-        (directory / "manifest.yaml").write_text(path.read_text())
+        (directory / "manifest.yaml").write_text(read.text, encoding="utf-8")
         campaign._create_generation_zero()
         return campaign
 
@@ -192,7 +196,10 @@ class Campaign:
             raise PbtError(
                 f"{directory}/store.db has no configuration: the campaign was never created"
             )
-        campaign = cls(directory, raw, member_command)
+        manifest = manifest_from_dict(
+            raw["manifest"], base_dir=raw["base_dir"], source=str(directory / STORE_FILENAME)
+        )
+        campaign = cls(directory, raw, manifest, member_command)
         if campaign.store.last_committed_generation() is None:
             # the start crashed before generation 0 was committed: whatever its draws left in
             # the studies is discarded, and generation 0 drawn again, the same way
@@ -264,31 +271,8 @@ class Campaign:
         if self.manifest.search.strategy == "optuna":
             return self._next_trials(generation, finished)
         selected = self.selection.select(finished, rng)
-        mutated = self.mutations.mutate_population(selected, rng)
-        members, events = [], []
-        for i, (sel, (hp, desc)) in enumerate(zip(selected, mutated, strict=True)):
-            child = MemberRecord(
-                member_id=member_id(generation + 1, i),
-                generation=generation + 1,
-                parent_id=sel.parent.member_id,
-                parent_checkpoint=sel.parent.checkpoint,
-                hyperparameters=hp,
-                mutation=desc,
-                fitness_history=list(sel.parent.fitness_history),
-                steps=sel.parent.steps,
-            )
-            kind = "elite" if sel.is_elite else ("clone" if desc.startswith("none") else "mutate")
-            members.append(child)
-            events.append(
-                {
-                    "generation": generation + 1,
-                    "member_id": child.member_id,
-                    "parent_id": sel.parent.member_id,
-                    "kind": kind,
-                    "detail": desc,
-                }
-            )
-        return members, events
+        members = breed(selected, generation + 1, self.mutations, rng)
+        return members, selection_events(selected, members)
 
     # -- the Optuna strategy and the studies -------------------------------------------------
 
@@ -329,29 +313,14 @@ class Campaign:
                     hyperparameters=hyperparameters,
                     mutation=f"trial {number}",
                 )
-                kind, detail = "create", f"trial {number} replaces the trial of {root.member_id}"
+                detail = f"trial {number} replaces the trial of {root.member_id}"
+                event = lineage_event(child, "create", detail)
             else:
-                child = MemberRecord(
-                    member_id=child_id,
-                    generation=generation + 1,
-                    parent_id=m.member_id,
-                    parent_checkpoint=m.checkpoint,
-                    hyperparameters=dict(m.hyperparameters),
-                    mutation=f"trial of {root.member_id} continues",
-                    fitness_history=list(m.fitness_history),
-                    steps=m.steps,
-                )
-                kind, detail = "clone", child.mutation
+                continues = f"trial of {root.member_id} continues"
+                child = child_record(m, child_id, generation + 1, mutation=continues)
+                event = lineage_event(child, "clone")
             members.append(child)
-            events.append(
-                {
-                    "generation": generation + 1,
-                    "member_id": child_id,
-                    "parent_id": child.parent_id,
-                    "kind": kind,
-                    "detail": detail,
-                }
-            )
+            events.append(event)
         return members, events
 
     def _record_in_studies(self, generation: int, finished: list[MemberRecord], final: bool):

@@ -1,34 +1,39 @@
 """What a campaign tells MLflow: one parent run for the campaign, one child run per member.
 
 The controller logs everything (member processes only write their results), through a
-:class:`pbt.tracking.Tracker` whose journal lives in the campaign directory: logging never
-blocks the controller, and whatever the tracking store missed (down, or the controller killed)
-is sent when the campaign resumes.
+:class:`pbt.controller.tracking.Tracker` whose journal lives in the campaign directory: logging
+never blocks the controller, and whatever the tracking store missed (down, or the controller
+killed) is sent when the campaign resumes. The runs' params and tags, logged once, follow
+:mod:`pbt.controller.run_schema`, which library mode shares.
 
 - Parent run: the validated configuration, seed and package version as params, the manifest as
   an artifact; per generation the best and mean fitness and, for every member slot, its fitness
-  and every hyperparameter's value as step-indexed metrics (params are write-once; members
+  and every hyperparameter's value as step-indexed metrics (params are write-once; slots
   mutate); at the end the fitness and hyperparameter plots, the lineage PNG and the best
   member's adapter.
-- Member runs: tagged with member id, generation, parent member and the mutation applied; the
-  member's per-step training metrics (reward mean and std, loss, KL, clip fraction, zero-signal
-  fraction, learning rate, tokens/s, GPU memory) at its lineage's step, and its fitness and
-  hyperparameters at the step it was evaluated.
+- Member runs: tagged with member id, generation, parent member and the mutation applied, with
+  their hyperparameters as params; the member's per-step training metrics (reward mean and std,
+  loss, KL, clip fraction, zero-signal fraction, learning rate, tokens/s, GPU memory) at its
+  lineage's step, and its fitness and hyperparameters at the step it was evaluated.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pbt import __version__
 from pbt.config import Manifest
 from pbt.controller.report import fitness_png, hyperparameters_png, lineage_png
+from pbt.controller.run_schema import (
+    CAMPAIGN_RUN,
+    campaign_experiment,
+    start_member,
+    start_parent,
+)
 from pbt.controller.tracking import Tracker, default_uri
 from pbt.protocol.records import MemberRecord
 
-PARENT = "campaign"
+PARENT = CAMPAIGN_RUN
 
 
 class CampaignLog:
@@ -42,7 +47,7 @@ class CampaignLog:
         if cfg.enabled:
             self.tracker = Tracker(
                 cfg.uri or default_uri(directory),
-                cfg.experiment or f"campaign {directory.resolve()}",
+                campaign_experiment(directory, manifest),
                 directory / "tracking",
             )
 
@@ -57,14 +62,12 @@ class CampaignLog:
         """Open (or, on resume, reopen) the campaign's run."""
         if self.tracker is None:
             return
-        params = {"seed": self.manifest.training.seed, "version": __version__}
-        for section in dataclasses.fields(self.manifest):
-            value = getattr(self.manifest, section.name)
-            if dataclasses.is_dataclass(value):
-                for key, item in dataclasses.asdict(value).items():
-                    params[f"{section.name}.{key}"] = item
-        self.tracker.start_run(
-            PARENT, name=self.dir.name, params=params, tags={"campaign": str(self.dir)}
+        start_parent(
+            self.tracker,
+            PARENT,
+            name=self.dir.name,
+            manifest=self.manifest,
+            tags={"campaign": str(self.dir)},
         )
         if manifest_file is not None and manifest_file.exists():
             self.tracker.log_artifact(PARENT, manifest_file)
@@ -73,16 +76,14 @@ class CampaignLog:
         if self.tracker is None:
             return
         for m in members:
-            self.tracker.start_run(
+            start_member(
+                self.tracker,
                 m.member_id,
-                name=m.member_id,
                 parent=PARENT,
-                tags={
-                    "member": m.member_id,
-                    "generation": str(m.generation),
-                    "parent_member": m.parent_id or "",
-                    "mutation": m.mutation or "initial",
-                },
+                generation=m.generation,
+                parent_member=m.parent_id,
+                mutation=m.mutation,
+                hyperparameters=m.hyperparameters,
             )
 
     def member_finished(self, m: MemberRecord, result: dict[str, Any]) -> None:

@@ -1,15 +1,18 @@
-"""A campaign's population from its manifest: generation 0's hyperparameters, and the
-selection and mutation rules."""
+"""A population's members from its manifest: generation 0, the selection and mutation rules,
+and each next generation's children, built the same way for campaigns and library mode."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, hp_ranges
 from pbt.controller.mutation import Mutations
 from pbt.controller.search import sample_initial
-from pbt.controller.selection import TournamentSelection
+from pbt.controller.selection import Selected, TournamentSelection
 from pbt.protocol.records import MemberRecord, member_id
 
 
@@ -61,3 +64,78 @@ def initial_records(manifest: Manifest, storage: str | None) -> list[MemberRecor
         MemberRecord(member_id=member_id(0, i), generation=0, hyperparameters=values)
         for i, values in enumerate(initial_hyperparameters(manifest, storage))
     ]
+
+
+def child_record(
+    parent: MemberRecord,
+    child_id: str,
+    generation: int,
+    hyperparameters: dict[str, float] | None = None,
+    mutation: str = "none",
+) -> MemberRecord:
+    """A child of ``parent``: it starts from the parent's checkpoint, fitness history and step
+    count, with ``hyperparameters`` (default: the parent's) applied after loading."""
+    return MemberRecord(
+        member_id=child_id,
+        generation=generation,
+        parent_id=parent.member_id,
+        parent_checkpoint=parent.checkpoint,
+        hyperparameters=dict(
+            parent.hyperparameters if hyperparameters is None else hyperparameters
+        ),
+        mutation=mutation,
+        fitness_history=list(parent.fitness_history),
+        steps=parent.steps,
+    )
+
+
+def breed(
+    selected: Sequence[Selected],
+    generation: int,
+    mutations: Mutations | None = None,
+    rng: random.Random | None = None,
+) -> list[MemberRecord]:
+    """Generation ``generation``'s members, one per selected parent in slot order, named
+    :func:`~pbt.protocol.records.member_id` ``(generation, slot)``.
+
+    With ``mutations`` each child is mutated as :meth:`Mutations.mutate_population` says,
+    drawing from ``rng`` in slot order; without, every child keeps its parent's
+    hyperparameters (``"none"``, ``"none (elite)"``), as AgileRL's selection leaves them.
+    """
+    if mutations is None:
+        mutated = [
+            (dict(s.parent.hyperparameters), "none (elite)" if s.is_elite else "none")
+            for s in selected
+        ]
+    else:
+        if rng is None:
+            raise TypeError("breed(selected, generation, mutations, rng): mutations need the rng")
+        mutated = mutations.mutate_population(list(selected), rng)
+    return [
+        child_record(choice.parent, member_id(generation, slot), generation, values, how)
+        for slot, (choice, (values, how)) in enumerate(zip(selected, mutated, strict=True))
+    ]
+
+
+def lineage_event(child: MemberRecord, kind: str, detail: str | None = None) -> dict[str, Any]:
+    """The store's lineage entry for ``child``: how it came from its parent (``kind``: elite,
+    clone, mutate, create) and, in words, what was done (default: its mutation)."""
+    return {
+        "generation": child.generation,
+        "member_id": child.member_id,
+        "parent_id": child.parent_id,
+        "kind": kind,
+        "detail": child.mutation if detail is None else detail,
+    }
+
+
+def selection_events(
+    selected: Sequence[Selected], children: Sequence[MemberRecord]
+) -> list[dict[str, Any]]:
+    """The lineage entries of :func:`breed`'s ``children`` of ``selected``."""
+    events = []
+    for choice, child in zip(selected, children, strict=True):
+        unchanged = (child.mutation or "").startswith("none")
+        kind = "elite" if choice.is_elite else ("clone" if unchanged else "mutate")
+        events.append(lineage_event(child, kind))
+    return events

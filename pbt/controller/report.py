@@ -6,6 +6,7 @@ after it stopped, and after a crash.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pbt.config.errors import PbtError
@@ -96,54 +97,84 @@ def _last(m: MemberRecord) -> str:
 
 
 def lineage_png(directory: Path, out: Path) -> Path:
-    """Draw the family tree: generations left to right, an edge per parent labelled with the
-    mutation, and each member coloured by its fitness."""
+    """Draw the family tree: generations left to right, member slots top to bottom, an edge per
+    parent, each member coloured by its fitness and captioned with the mutation that made it;
+    the best member's line of descent is drawn in red."""
     plt = _pyplot()
     with _open(directory) as store:
         members = store.members()
-    slot = {m.member_id: int(m.member_id.rsplit("m", 1)[1]) for m in members}
-    fig, ax = plt.subplots(
-        figsize=(2.4 * (max(m.generation for m in members) + 1) + 2, 1.2 * max(slot.values()) + 2.5)
-    )
+        best = store.best()
     by_id = {m.member_id: m for m in members}
+    line = _line_of_descent(by_id, best[0]) if best else []
+    on_line = {m.member_id for m in line}
+    at = {m.member_id: (m.generation, _slot(m)) for m in members}
+    generations, slots = max(g for g, _ in at.values()) + 1, max(s for _, s in at.values()) + 1
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * generations + 2.5), 0.85 * slots + 2.2))
     for m in members:
         if m.parent_id in by_id:
-            parent = by_id[m.parent_id]
-            ax.annotate(
-                "",
-                xy=(m.generation, slot[m.member_id]),
-                xytext=(parent.generation, slot[parent.member_id]),
-                arrowprops={"arrowstyle": "->", "color": "0.6"},
-            )
-            label = (m.mutation or "").split(" (")[0]
-            mid = (
-                (m.generation + parent.generation) / 2,
-                (slot[m.member_id] + slot[parent.member_id]) / 2,
-            )
-            ax.text(*mid, label, fontsize=7, ha="center", va="bottom", color="0.3")
-    fitness = [
-        float(m.fitness_history[-1]) if m.fitness_history and m.status == "done" else float("nan")
-        for m in members
-    ]
+            best_edge = m.member_id in on_line
+            xs, ys = zip(at[m.parent_id], at[m.member_id], strict=True)
+            ax.plot(xs, ys, color=_BEST if best_edge else "0.7", lw=2.4 if best_edge else 1.0,
+                    zorder=2 if best_edge else 1)  # fmt: skip
     points = ax.scatter(
-        [m.generation for m in members],
-        [slot[m.member_id] for m in members],
-        c=fitness,
+        [at[m.member_id][0] for m in members],
+        [at[m.member_id][1] for m in members],
+        c=[_final_fitness(m) for m in members],
         cmap="viridis",
-        s=260,
+        s=200,
         zorder=3,
-        edgecolors="black",
+        edgecolors=[_BEST if m.member_id in on_line else "black" for m in members],
+        linewidths=[2.4 if m.member_id in on_line else 0.8 for m in members],
     )
     for m in members:
-        ax.text(
-            m.generation, slot[m.member_id] - 0.32, m.member_id, fontsize=7, ha="center", va="top"
-        )
-    fig.colorbar(points, ax=ax, label="fitness")
+        if m.parent_id:  # generation 0 has no mutation to show
+            ax.annotate(
+                _short_mutation(m.mutation), at[m.member_id], xytext=(0, -10),
+                textcoords="offset points", ha="center", va="top", fontsize=7, zorder=4,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85},
+            )  # fmt: skip
+    fig.colorbar(points, ax=ax, label="fitness", pad=0.02)
+    ax.set_xticks(range(generations))
+    ax.set_yticks(range(slots), [f"m{s:02d}" for s in range(slots)])
+    ax.set_xlim(-0.5, generations - 0.5)
+    ax.set_ylim(slots - 0.4, -0.6)  # slot 0 on top, room for the bottom row's captions
     ax.set_xlabel("generation")
     ax.set_ylabel("member slot")
-    ax.set_title(f"lineage of {directory.name}")
-    ax.invert_yaxis()
+    title = f"lineage of {directory.name}"
+    if line:
+        title += f"\nin red: the line of the best member, {best[0]} (fitness {best[1]:.4g})"
+    ax.set_title(title, fontsize=10)
     return _save(fig, out)
+
+
+_BEST = "crimson"
+
+
+def _slot(m: MemberRecord) -> int:
+    return int(m.member_id.rsplit("m", 1)[1])
+
+
+def _final_fitness(m: MemberRecord) -> float:
+    return float(m.fitness_history[-1]) if m.fitness_history and m.status == "done" else math.nan
+
+
+def _line_of_descent(by_id: dict[str, MemberRecord], member: str) -> list[MemberRecord]:
+    """``member`` and its ancestors, oldest first."""
+    chain = []
+    current = by_id.get(member)
+    while current is not None:
+        chain.append(current)
+        current = by_id.get(current.parent_id) if current.parent_id else None
+    return chain[::-1]
+
+
+def _short_mutation(mutation: str | None) -> str:
+    """``lr x1.2`` for ``lr x1.2 (0.001 -> 0.0012)``; ``elite`` for an unchanged elite copy."""
+    if not mutation:
+        return "initial"
+    if mutation == "none (elite)":
+        return "elite"
+    return mutation.split(" (")[0]
 
 
 def fitness_curve_text(directory: Path) -> str:
@@ -161,24 +192,38 @@ def fitness_curve_text(directory: Path) -> str:
 
 
 def fitness_png(directory: Path, out: Path) -> Path:
-    """Every member's fitness by generation (dots), with the best and the mean (lines)."""
+    """Every member's fitness by generation (dots), the best and the mean (lines), and the
+    best member's line of descent (red)."""
     plt = _pyplot()
     with _open(directory) as store:
-        members = [m for m in store.members() if m.status == "done" and m.fitness_history]
+        members = store.members()
+        best = store.best()
     by_gen: dict[int, list[float]] = {}
     for m in members:
-        by_gen.setdefault(m.generation, []).append(m.fitness_history[-1])
+        if m.status == "done" and m.fitness_history:
+            by_gen.setdefault(m.generation, []).append(m.fitness_history[-1])
     gens = sorted(by_gen)
     fig, ax = plt.subplots(figsize=(7, 4))
     for g in gens:
         ax.scatter([g] * len(by_gen[g]), by_gen[g], color="0.6", s=18, zorder=2)
     ax.plot(gens, [max(by_gen[g]) for g in gens], marker="o", label="best")
     ax.plot(gens, [sum(by_gen[g]) / len(by_gen[g]) for g in gens], marker="s", label="mean")
+    if best:
+        line = _line_of_descent({m.member_id: m for m in members}, best[0])
+        ax.plot([m.generation for m in line], [_final_fitness(m) for m in line], color=_BEST,
+                lw=2, marker=".", label=f"{best[0]} and its ancestors", zorder=3)  # fmt: skip
+    _integer_ticks(ax.xaxis)
     ax.set_xlabel("generation")
     ax.set_ylabel("fitness")
     ax.set_title(f"fitness of {directory.name}")
-    ax.legend()
+    ax.legend(fontsize=8)
     return _save(fig, out)
+
+
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
 
 
 def hyperparameters_png(directory: Path, out: Path) -> Path:
@@ -204,6 +249,8 @@ def hyperparameters_png(directory: Path, out: Path) -> Path:
             ax.set_yscale("log")
         ax.set_ylabel(name)
     axes[-1, 0].set_xlabel("generation")
+    for ax in axes[:, 0]:
+        _integer_ticks(ax.xaxis)
     axes[0, 0].legend(fontsize=7, ncol=min(len(slots), 8))
     axes[0, 0].set_title(f"hyperparameters of {directory.name}")
     return _save(fig, out)

@@ -395,6 +395,8 @@ class Tracker:
         self._artifact_location = artifact_location or _default_artifact_location(uri)
         self._journal = _Journal(Path(journal_dir), flush_every_s)
         self._known = set(self._journal.started)
+        self.recovered = self._journal.logged
+        """Events found unacknowledged in the journal when this Tracker opened it (sent first)."""
         self._experiment_id = ""
         self._down = False
         self._unmapped: set[str] = set()
@@ -482,6 +484,11 @@ class Tracker:
         if status not in END_STATUSES:
             raise ValueError(f"end_run status ({status!r}) must be one of {END_STATUSES}")
         self._log({"op": "end", "key": key, "status": status, "t": _now_ms()})
+
+    def has_run(self, key: str) -> bool:
+        """True once ``start_run(key)`` was called on this journal, by this Tracker or by one
+        before it (the run may not be created in MLflow yet, but it will be)."""
+        return key in self._known
 
     def run_id(self, key: str) -> str | None:
         """The MLflow run id of ``key`` once the run is created, else None."""

@@ -7,6 +7,7 @@ base model when first used, and whose records the campaign controller stores.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 from typing import Any
@@ -14,7 +15,6 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
-from pbt.config.ranges import campaign_problems
 from pbt.controller.population import initial_records
 from pbt.library.population import Population
 
@@ -57,43 +57,73 @@ def create_population(
     Raises:
         ConfigError: any bad key or value, all reported together.
     """
+    overrides = {
+        ("model", "name"): model_name,
+        ("training", "device"): device,
+        ("population", "size"): population_size,
+        ("mutation", "ranges"): None if hp_config is None else dict(hp_config),
+        ("population", "init_sampler"): init_sampler,
+    }
+    overrides = {where: value for where, value in overrides.items() if value is not None}
     if manifest is None:
-        sections = {name: dict(values) for name, values in (config or {}).items()}
-        init_hp = dict(INIT_HP or {})
-        if algo is not None:
-            init_hp["ALGO"] = algo
-        for value, section, key in ((model_name, "model", "name"), (device, "training", "device")):
-            if value is not None:
-                sections.setdefault(section, {})[key] = value
-        manifest = manifest_from_dict({**sections, "INIT_HP": init_hp})
-    elif INIT_HP or config:
+        manifest = manifest_from_dict(_sections(INIT_HP, algo, config, overrides))
+    else:
+        _refuse_contradictions(manifest, INIT_HP, algo, config)
+        if overrides:
+            manifest = _overridden(manifest, overrides)
+    rng = rng or random.Random(manifest.training.seed)
+    members = initial_records(manifest, storage)
+    return Population(manifest, members, rng)
+
+
+def _sections(
+    init_hp: dict[str, Any] | None,
+    algo: str | None,
+    config: dict[str, Any] | None,
+    overrides: dict[tuple[str, str], Any],
+) -> dict[str, Any]:
+    """The manifest sections of the ``INIT_HP`` form, copied: the keyword arguments win over
+    ``config`` and over ``INIT_HP["POP_SIZE"]``."""
+    sections = copy.deepcopy(config or {})
+    init_hp = dict(init_hp or {})
+    if algo is not None:
+        init_hp["ALGO"] = algo
+    if ("population", "size") in overrides:
+        init_hp.pop("POP_SIZE", None)
+    for (section, key), value in overrides.items():
+        block = sections.setdefault(section, {})
+        if isinstance(block, dict):  # a section that is not a mapping is reported by the loader
+            block[key] = value
+    return {**sections, "INIT_HP": init_hp}
+
+
+def _refuse_contradictions(
+    manifest: Manifest,
+    init_hp: dict[str, Any] | None,
+    algo: str | None,
+    config: dict[str, Any] | None,
+) -> None:
+    if init_hp or config:
         raise ConfigError(
             [
                 "create_population takes a manifest or INIT_HP/config, not both; fold the "
                 "INIT_HP values into the manifest"
             ]
         )
-    elif algo is not None and algo != manifest.algorithm.name:
+    if algo is not None and algo != manifest.algorithm.name:
         raise ConfigError(
             [
                 f"algo ({algo!r}) contradicts the manifest's algorithm.name "
                 f"({manifest.algorithm.name!r}); drop algo or change the manifest"
             ]
         )
-    if manifest is not None and (model_name or device):
-        manifest.model = dataclasses.replace(manifest.model, name=model_name or manifest.model.name)
-        manifest.training = dataclasses.replace(
-            manifest.training, device=device or manifest.training.device
-        )
-    if population_size is not None:
-        manifest.population = dataclasses.replace(manifest.population, size=population_size)
-    if hp_config is not None:
-        manifest.mutation = dataclasses.replace(manifest.mutation, ranges=dict(hp_config))
-    if init_sampler is not None:
-        manifest.population = dataclasses.replace(manifest.population, init_sampler=init_sampler)
-    problems = manifest.population.check("population") + campaign_problems(manifest)
-    if problems:
-        raise ConfigError(problems)
-    rng = rng or random.Random(manifest.training.seed)
-    members = initial_records(manifest, storage)
-    return Population(manifest, members, rng)
+
+
+def _overridden(manifest: Manifest, overrides: dict[tuple[str, str], Any]) -> Manifest:
+    """A new manifest: ``manifest`` with the overrides, validated as a whole like a file.
+    The caller's manifest is left as it was."""
+    sections = dataclasses.asdict(manifest)
+    base_dir = sections.pop("base_dir")
+    for (section, key), value in overrides.items():
+        sections[section][key] = value
+    return manifest_from_dict(sections, base_dir=base_dir)

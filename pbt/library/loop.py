@@ -17,15 +17,18 @@ in ``output_dir`` unless ``tracking`` names a server); only rank 0 writes files 
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from pbt import __version__
 from pbt.config.errors import ConfigError, PbtError
+from pbt.controller.run_schema import (
+    POPULATION_RUN,
+    population_experiment,
+    start_member,
+    start_parent,
+)
 from pbt.controller.tracking import Tracker, default_uri
 from pbt.library.population import Agent, Population
 from pbt.protocol.files import read_json, write_json_atomic
@@ -140,11 +143,16 @@ class _Run:
     def train(self, count: int) -> None:
         for agent in self.pop:
             started = time.perf_counter()
-            for _ in range(count):
-                metrics = agent.train_step()
-                self._log(agent, metrics, agent.steps)
+
+            def log(step: int, metrics: dict[str, float], agent: Agent = agent) -> None:
+                self._log(agent, metrics, step)
+
+            def say(line: str, agent: Agent = agent) -> None:
+                self._say(f"  {agent.member_id} {line}")
+
+            history = agent.train(count, log, say)
             self._say(
-                f"  {agent.member_id} step {agent.steps}: {agent.describe(metrics)} "
+                f"  {agent.member_id} step {agent.steps}: {agent.describe(history[-1])} "
                 f"({time.perf_counter() - started:.1f} s)"
             )
         self.step += count
@@ -161,7 +169,7 @@ class _Run:
         )
         if self.tracker is not None:
             self.tracker.log_metrics(
-                "population",
+                POPULATION_RUN,
                 {"best_fitness": best.fitness[-1], "mean_fitness": mean},
                 self.step,
             )
@@ -267,30 +275,26 @@ class _Run:
     # -- output ----------------------------------------------------------------------------
 
     def _start_runs(self) -> None:
+        """Start (or reopen) the population's run and every member's, as
+        :mod:`pbt.controller.run_schema` says."""
         if self.tracker is None:
             return
-        manifest = self.pop.manifest
-        self.tracker.start_run(
-            "population",
+        start_parent(
+            self.tracker,
+            POPULATION_RUN,
             name=self.out.name,
-            params={
-                f"{section}.{key}": value
-                for section in ("model", "lora", "optim", "algorithm", "rollout", "task")
-                for key, value in dataclasses.asdict(getattr(manifest, section)).items()
-            }
-            | {"seed": manifest.training.seed, "size": len(self.pop), "version": __version__},
+            manifest=self.pop.manifest,
+            size=len(self.pop),
         )
         for agent in self.pop:
-            self.tracker.start_run(
+            start_member(
+                self.tracker,
                 agent.member_id,
-                name=agent.member_id,
-                parent="population",
-                tags={
-                    "member": agent.member_id,
-                    "generation": str(agent.generation),
-                    "parent_member": agent.parent_id or "",
-                    "mutation": agent.mutation or "",
-                },
+                parent=POPULATION_RUN,
+                generation=agent.generation,
+                parent_member=agent.parent_id,
+                mutation=agent.mutation,
+                hyperparameters=agent.hyperparameters,
             )
 
     def _log(self, agent: Agent, metrics: dict[str, float], step: int) -> None:
@@ -306,14 +310,13 @@ class _Run:
         if self.tracker is not None:
             for agent in self.pop:
                 self.tracker.end_run(agent.member_id)
-            self.tracker.end_run("population")
+            self.tracker.end_run(POPULATION_RUN)
             self.tracker.close()
 
 
-def _tracker(out: Path, tracking: bool | str) -> Any:
-
+def _tracker(out: Path, tracking: bool | str) -> Tracker:
     uri = default_uri(out) if tracking is True else str(tracking)
-    return Tracker(uri, experiment=f"population {out.resolve()}", journal_dir=out / "tracking")
+    return Tracker(uri, experiment=population_experiment(out), journal_dir=out / "tracking")
 
 
 def _next_multiple(value: int, interval: int) -> int:

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
-from pbt.controller.population import build_mutations, build_selection
-from pbt.protocol.records import MemberRecord, member_id, member_seed
+from pbt.controller.population import breed, build_mutations, build_selection, child_record
+from pbt.protocol.records import MemberRecord, member_seed
 
 if TYPE_CHECKING:
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.member import Member, StepCallback
     from pbt.algorithms.rollout.hf import RolloutBatch
     from pbt.algorithms.shared_base import SharedBase
     from pbt.algorithms.tasks import Example
@@ -135,13 +135,25 @@ class Agent:
         return learner.learn(batch, rewards)
 
     def describe(self, metrics: dict[str, float]) -> str:
-        """A short progress line for a step's metrics, in this algorithm's terms."""
-        return self._member().learner.describe(metrics)
+        """A short progress line for a step's metrics, in this algorithm's terms: those of
+        :meth:`train_step` or of :meth:`learn` (which times no rollout, so its throughput
+        reads ``nan tok/s``)."""
+        return self._member().learner.describe(_Unmeasured(metrics))
 
     def train_step(self) -> dict[str, float]:
         """Sample prompts, roll out, score and learn: one training step; returns its metrics."""
-        member = self._activate()
-        return member.learner.train_step(member.task.train, member.task.reward_fn)
+        return self._activate().train_step()
+
+    def train(
+        self,
+        steps: int,
+        on_step: StepCallback | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train ``steps`` steps (the loop campaign members train in); returns every step's
+        metrics, each with its ``"step"``. ``on_step(step, metrics)`` follows each step;
+        ``say`` explains a step that learned nothing (identical rewards in every group)."""
+        return self._activate().train(steps, on_step, say)
 
     def test(self, examples: Sequence[Example] | None = None, temperature: float | None = None):
         """Mean reward on the task's held-out prompts (or ``examples``); appended to ``fitness``.
@@ -163,7 +175,8 @@ class Agent:
         """A copy of this member (adapter, optimizer, schedule, step, fitness, hyperparameters)
         under a new id, in the same population but not in its list; see
         :meth:`Population.next_generation` for how selection places clones."""
-        return self.population._clone(self, member_id or self.population._fresh_id())
+        child_id = member_id or self.population._fresh_id()
+        return self.population._clone(self, child_record(self.record(), child_id, self.generation))
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -269,12 +282,9 @@ class Population(Sequence[Agent]):
         by_id = {agent.member_id: agent for agent in self.agents}
         generation = self.generation + 1
         children = []
-        for slot, choice in enumerate(selected):
-            parent = by_id[choice.parent.member_id]
-            child = self._clone(parent, member_id(generation, slot))
-            child.generation = generation
+        for choice, record in zip(selected, breed(selected, generation), strict=True):
+            child = self._clone(by_id[choice.parent.member_id], record)
             child.is_elite = choice.is_elite
-            child.mutation = "none (elite)" if choice.is_elite else "none"
             children.append(child)
         for agent in list(self.agents):
             self.remove(agent)
@@ -331,14 +341,13 @@ class Population(Sequence[Agent]):
             member.learner.step = agent._steps
         return engine.activate(agent.member_id)
 
-    def _clone(self, parent: Agent, member_id: str) -> Agent:
-        child = Agent(self, parent.record())
-        child.member_id = member_id
-        child.parent_id = parent.member_id
-        child.mutation = "none"
+    def _clone(self, parent: Agent, record: MemberRecord) -> Agent:
+        """The agent of ``record``, a child of ``parent`` (:func:`child_record`), holding a
+        copy of the parent's state when the parent has any."""
+        child = Agent(self, record)
         if parent.materialised:
-            seed = member_seed(self.manifest.training.seed, member_id)
-            self._engine.clone(parent.member_id, member_id, seed)
+            seed = member_seed(self.manifest.training.seed, record.member_id)
+            self._engine.clone(parent.member_id, record.member_id, seed)
         return child
 
     def _fresh_id(self) -> str:
@@ -350,3 +359,11 @@ class Population(Sequence[Agent]):
             candidate = f"g{self.generation:03d}-c{self._next_id:02d}"
             if candidate not in taken:
                 return candidate
+
+
+class _Unmeasured(dict):
+    """Step metrics in which a figure the step did not measure (the throughput of a
+    :meth:`Agent.learn`, which sees no rollout) reads as NaN rather than failing."""
+
+    def __missing__(self, key: str) -> float:
+        return float("nan")

@@ -16,7 +16,9 @@ in ``fault.json`` (:mod:`pbt.protocol.faults`) before the worker exits 2.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import json
 import os
 import sys
 import threading
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.protocol import faults
@@ -77,7 +80,7 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     parent = task["parent_checkpoint"]
     if parent:
         parent = inside(campaign, parent, "checkpoints", "the task's parent checkpoint")
-    manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
+    manifest = _manifest(task)
     world = world_info()
     device = pick_device(manifest.training.device, world.local_rank)
     if host is not None and host.serves(manifest):
@@ -131,14 +134,28 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
 
 
 def _train(member, steps: int) -> list[dict[str, float]]:
-    """Train ``steps`` steps; every step's metrics, with the lineage's step count."""
-    learner, task = member.learner, member.task
-    history = []
-    for _ in range(steps):
-        metrics = learner.train_step(task.train, task.reward_fn)
-        history.append({"step": learner.step, **metrics})
-        print(f"{member.member_id} step {learner.step} {learner.describe(metrics)}", flush=True)
-    return history
+    """Train ``steps`` steps, a line per step in the member's log; every step's metrics, with
+    the lineage's step count."""
+
+    def say(line: str) -> None:
+        print(f"{member.member_id} {line}", flush=True)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        say(f"step {step} {member.learner.describe(metrics)}")
+
+    return member.train(steps, on_step, say)
+
+
+def _manifest(task: dict[str, Any]) -> Manifest:
+    """The task's manifest, parsed once per worker process for each distinct manifest: every
+    task of a campaign carries the same one, which the controller validated already."""
+    text = json.dumps(task["manifest"], sort_keys=True)
+    return _parsed_manifest(text, str(task["manifest_base_dir"]))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_manifest(text: str, base_dir: str) -> Manifest:
+    return manifest_from_dict(json.loads(text), base_dir=base_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,10 @@
     python -m pbt.worker.train manifest.yaml [--device cpu|cuda|auto] [--output-dir DIR] [--steps N]
 
 Without a manifest the built-in quickstart runs. Progress goes to stdout, one line per logged
-step; every step's metrics also go to ``<output_dir>/metrics.jsonl``. This is the only module of
-``pbt`` that imports torch and the algorithms.
+step, and a line explaining every step that learned nothing; every step's metrics also go to
+``<output_dir>/metrics.jsonl``. Training is :meth:`pbt.algorithms.member.Member.train`, the step
+loop campaign members and library mode use too; torch and the algorithms load only when a
+member is built, so the argument parsing and manifest checks start instantly.
 """
 
 from __future__ import annotations
@@ -133,8 +135,8 @@ def _banner(manifest: Manifest, member, device) -> str:
 
 
 def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, float]:
-    from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
-
+    """Evaluate, train to ``training.steps`` with an evaluation every ``eval_every`` steps,
+    evaluate again and save the checkpoint; returns the summary figures."""
     cfg = manifest.training
     learner, task = member.learner, member.task
     started = time.perf_counter()
@@ -145,15 +147,18 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
         log.record({"step": learner.step, "eval_reward": fitness})
         return fitness
 
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        log.record({"step": step, **metrics})
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            log.say(f"step {step:>4}/{cfg.steps}  {learner.describe(metrics)}")
+
     first = evaluate()
     while learner.step < cfg.steps:
-        metrics = learner.train_step(task.train, task.reward_fn)
-        log.record({"step": learner.step, **metrics})
-        if metrics.get("skipped"):
-            log.say(f"step {learner.step}: {ZERO_SIGNAL_HINT}")
-        if learner.step % cfg.log_every == 0 or learner.step == cfg.steps:
-            log.say(f"step {learner.step:>4}/{cfg.steps}  {learner.describe(metrics)}")
-        if cfg.eval_every and learner.step % cfg.eval_every == 0 and learner.step < cfg.steps:
+        until = cfg.steps
+        if cfg.eval_every:
+            until = min(until, (learner.step // cfg.eval_every + 1) * cfg.eval_every)
+        member.train(until - learner.step, on_step, log.say)
+        if learner.step < cfg.steps:  # an eval_every boundary; the last evaluation follows
             evaluate()
     last = evaluate()
     member.fitness.append(last)
