@@ -81,6 +81,9 @@ def test_ctrl_c_during_run_names_the_command_that_resumes(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # as a terminal's foreground job has it, even when the suite runs in the background
+        # (where the shell leaves SIGINT ignored, and children inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         first = proc.stdout.readline()

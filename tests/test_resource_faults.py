@@ -125,7 +125,13 @@ def test_member_faults_are_classified_by_kind(tmp_path):
     disk = CheckpointError("not written")
     disk.__cause__ = OSError(errno.ENOSPC, "No space left on device")
     cases = {
-        "out_of_memory": [MemoryError(), cuda, cpu, OSError(errno.ENOMEM, "Cannot allocate")],
+        "out_of_memory": [
+            MemoryError(),
+            cuda,
+            cpu,
+            OSError(errno.ENOMEM, "Cannot allocate"),
+            ImportError("libgomp.so.1: failed to map segment from shared object"),
+        ],
         "disk_full": [OSError(errno.EDQUOT, "Quota"), OSError(errno.EFBIG, "Too large"), disk],
         None: [ValueError("bad"), RuntimeError("diverged"), OSError(errno.EACCES, "denied")],
     }
@@ -138,6 +144,8 @@ def test_member_faults_are_classified_by_kind(tmp_path):
     (tmp_path / faults.FAULT_FILE).unlink()
     assert faults.read(tmp_path, "Traceback ...\n  File x\nMemoryError\n")[0] == "out_of_memory"
     assert faults.read(tmp_path, "Traceback ...\nValueError: MemoryError\n") is None
+    mapped = "ImportError: libtorch_cpu.so: failed to map segment from shared object"
+    assert faults.read(tmp_path, f"Traceback ...\n{mapped}\n") == ("out_of_memory", mapped)
     # with the disk too full for fault.json, the member's last words still say so
     printed = "error: checkpoint c was not written: the disk is full (ENOSPC: No space left ...)"
     assert faults.read(tmp_path, f"step 3\n{printed}\n") == ("disk_full", printed)

@@ -329,3 +329,33 @@ def test_a_server_outage_loses_nothing_and_blocks_nothing(
     messages = [r.getMessage() for r in caplog.records if r.name == "pbt.controller.tracking"]
     assert sum("unreachable" in m for m in messages) == 1, messages
     assert sum("reachable again" in m for m in messages) == 1, messages
+
+
+_CREATE_STORE = """
+import sys
+from pbt.controller.tracking import _create_sqlite_store
+_create_sqlite_store(sys.argv[1], None)
+"""
+
+
+def test_an_embedded_store_killed_while_it_is_built_is_built_again(tmp_path: Path) -> None:
+    """MLflow builds a new SQLite store migration by migration. A process SIGKILLed during them
+    leaves either no store or a whole one, never a half-built one, and the next tracker works."""
+    uri = default_uri(tmp_path)
+    target = tmp_path / "mlflow.db"
+    builder = subprocess.Popen([sys.executable, "-c", _CREATE_STORE, uri], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".mlflow.db.creating-*")):
+        time.sleep(0.01)
+    assert list(tmp_path.glob(".mlflow.db.creating-*")), "the store was not being built"
+    time.sleep(0.3)  # into the migrations
+    builder.kill()
+    builder.wait(timeout=30)
+    assert not target.exists(), "a store killed while it was built must not be in place"
+    with Tracker(uri, "after-a-kill", tmp_path / "journal") as tracker:
+        tracker.start_run("m0", name="m0")
+        tracker.log_metrics("m0", {"reward": 1.0}, 0)
+        assert tracker.flush(timeout=SEND_TIMEOUT_S)
+        run_id = tracker.run_id("m0")
+    assert _steps(uri, run_id, "reward") == [(0, 1.0)]
+    assert not list(tmp_path.glob(".mlflow.db.creating-*")), "the killed build was left behind"

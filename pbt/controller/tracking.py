@@ -72,6 +72,45 @@ def default_uri(directory: Path | str) -> str:
     return f"sqlite:///{Path(directory).resolve() / 'mlflow.db'}"
 
 
+def _create_sqlite_store(uri: str, artifact_location: str | None) -> None:
+    """Create a SQLite tracking store that does not exist yet, whole or not at all.
+
+    MLflow builds a new store by running its schema migrations one by one; a process killed
+    among them (a controller SIGKILLed seconds after it started) would leave a store that no
+    later migration can finish. So the store is built beside its place and linked into it,
+    which fails where another process has put its own store first.
+    """
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///"))
+    if path.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    for stale in path.parent.glob(f".{path.name}.creating-*"):
+        if not _alive(stale.name.rpartition("-")[2]):  # left by a process killed here
+            stale.unlink(missing_ok=True)
+    building = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    store = SqlAlchemyStore(f"sqlite:///{building}", artifact_location or str(path.parent))
+    store.engine.dispose()
+    try:
+        os.link(building, path)
+    except FileExistsError:
+        pass
+    finally:
+        building.unlink(missing_ok=True)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _default_artifact_location(uri: str) -> str | None:
     """``<directory of the database>/mlartifacts`` for a SQLite file store, else MLflow's default."""
     if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
@@ -623,6 +662,7 @@ class Tracker:
 
         for name in ("mlflow", "alembic"):  # store creation chatters at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
+        _create_sqlite_store(self.uri, self._artifact_location)
         client = mlflow.MlflowClient(tracking_uri=self.uri)
         found = client.get_experiment_by_name(self.experiment)
         if found is None:

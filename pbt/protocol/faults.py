@@ -32,7 +32,13 @@ KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full", "diverged")
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
-_OOM_LAST_LINE = re.compile(r"^([\w.]+\.)?(MemoryError|OutOfMemoryError)\b")
+_OOM_LAST_LINE = re.compile(
+    r"^([\w.]+\.)?(MemoryError|OutOfMemoryError)\b"
+    r"|^(ImportError|OSError)\b.*failed to map segment from shared object"
+)
+# The dynamic loader's words when a shared library cannot be mapped for want of memory (an
+# import under the memory limit fails so, as an ImportError or OSError).
+_MAP_FAILED = re.compile(r"failed to map segment from shared object")
 _DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((ENOSPC|EDQUOT)\b")
 
 
@@ -55,6 +61,8 @@ def classify(err: BaseException) -> FaultKind | None:
         if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
             return "disk_full"
         if isinstance(err, RuntimeError) and _OOM_TEXT.search(str(err)):
+            return "out_of_memory"
+        if isinstance(err, (ImportError, OSError)) and _MAP_FAILED.search(str(err)):
             return "out_of_memory"
         err = err.__cause__ or err.__context__
     return None
