@@ -297,7 +297,7 @@ def load_data(manifest: Manifest) -> Task:
     from pbt.algorithms.datasets import load_preferences, load_sft
 
     load = load_sft if manifest.algorithm.name == "SFT" else load_preferences
-    data = load(cfg.name, manifest.base_dir, seed, cfg.train_size, cfg.eval_size)
+    data = load(cfg.source, manifest.base_dir, seed, cfg.builtin_train_size, cfg.eval_size)
     return Task(data.name, data.train, data.eval, reward_fn=None)
 
 

@@ -57,19 +57,20 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     Raises:
         ConfigError: unknown task, too few distinct prompts, or a bad reward reference.
     """
-    if cfg.name == ADDITION_TASK:
+    name = cfg.source
+    if name == ADDITION_TASK:
         return _addition_task(cfg, base_dir)
-    rng = random.Random(f"{cfg.name}:{seed}")
-    wanted = cfg.train_size + cfg.eval_size
-    if cfg.name == "builtin:letters":
+    rng = random.Random(f"{name}:{seed}")
+    wanted = cfg.builtin_train_size + cfg.eval_size
+    if name == "builtin:letters":
         pool, reward_fn = [Example(q, a) for q, a in letters_problems()], letters_reward
-    elif cfg.name == "builtin:arithmetic":
+    elif name == "builtin:arithmetic":
         problems = arithmetic_problems(rng, wanted)
         pool, reward_fn = [Example(q, a) for q, a in problems], arithmetic_reward
     else:
         raise ConfigError(
             [
-                f"task.name ({cfg.name!r}) is not a known task; use builtin:letters, "
+                f"task.name ({name!r}) is not a known task; use builtin:letters, "
                 "builtin:arithmetic or builtin:addition"
             ]
         )
@@ -79,24 +80,24 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     if not train_split:
         raise ConfigError(
             [
-                f"task.eval_size ({cfg.eval_size}) leaves no training prompts: {cfg.name} has "
+                f"task.eval_size ({cfg.eval_size}) leaves no training prompts: {name} has "
                 f"{len(pool)} distinct prompts; lower eval_size"
             ]
         )
     if cfg.reward is not None:
         reward_fn = load_reward_fn(cfg.reward, base_dir)
-    return Task(cfg.name, train_split, eval_split, reward_fn)
+    return Task(name, train_split, eval_split, reward_fn)
 
 
 def _addition_task(cfg: TaskConfig, base_dir: str | Path) -> Task:
     """The addition task: its split is fixed whatever the seed (see :func:`addition_split`)."""
     try:
-        train, held_out = addition_split(cfg.eval_size, cfg.train_size)
+        train, held_out = addition_split(cfg.eval_size, cfg.builtin_train_size)
     except ValueError as err:
         raise ConfigError([str(err)]) from None
     reward_fn = arithmetic_reward if cfg.reward is None else load_reward_fn(cfg.reward, base_dir)
     return Task(
-        cfg.name,
+        ADDITION_TASK,
         [Example(q, a) for q, a in train],
         [Example(q, a) for q, a in held_out],
         reward_fn,

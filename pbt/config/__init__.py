@@ -28,16 +28,16 @@ from pbt.config.manifest import SECTIONS, Manifest
 from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig
 from pbt.config.ranges import HPRange
 from pbt.config.rollout import VLLM_FIELDS, RolloutConfig, VLLMConfig
-from pbt.config.task import RL_TASKS, RewardRef, TaskConfig
+from pbt.config.task import BUILTIN_TASKS, RewardRef, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
 
 __all__ = [
     "ALGORITHMS",
+    "BUILTIN_TASKS",
     "FSDP_FIELDS",
     "MUTABLE_BY_ALGORITHM",
     "MUTABLE_HYPERPARAMETERS",
     "RL_ALGORITHMS",
-    "RL_TASKS",
     "SECTIONS",
     "VLLM_FIELDS",
     "AlgorithmConfig",

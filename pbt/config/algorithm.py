@@ -110,6 +110,10 @@ class AlgorithmConfig:
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row whose loss or gradient is NaN or inf before the member fails as
     ``diverged``; each such step is skipped (no update) and counted in ``nonfinite_steps``."""
+    collapse_patience: int | None = 20
+    """GRPO/REINFORCE/PPO: training steps in a row in which every group got identical rewards
+    (no signal, nothing learned) before the member's task ends early as ``collapsed``, with its
+    fitness measured, so selection replaces it; null never ends it."""
 
     @property
     def batch_completions(self) -> int:
@@ -136,6 +140,11 @@ class AlgorithmConfig:
                 f"{prefix}.overlong_buffer ({self.overlong_buffer}) and overlong_penalty "
                 f"({self.overlong_penalty}) must be >= 0; 0 disables the penalty"
             )
+        if self.collapse_patience is not None:
+            positive(
+                problems, f"{prefix}.collapse_patience", self.collapse_patience,
+                "or null to never end a member for lack of signal",
+            )  # fmt: skip
         if self.max_resamples < 0:
             problems.append(f"{prefix}.max_resamples ({self.max_resamples}) must be >= 0")
         positive(

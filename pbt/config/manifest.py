@@ -23,7 +23,7 @@ from pbt.config.campaign import (
 )
 from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig
 from pbt.config.rollout import RolloutConfig
-from pbt.config.task import RL_TASKS, TaskConfig
+from pbt.config.task import BUILTIN_TASKS, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
 
 
@@ -80,26 +80,42 @@ class Manifest:
         return problems
 
     def _check_files(self) -> list[str]:
-        """The task, dataset and reward files exist where the manifest says, and the reward
+        """The task's data and reward files exist where the manifest says, and each reward
         function is defined in its file (read, never run, here)."""
         problems: list[str] = []
         task, base = self.task, Path(self.base_dir)
-        if self.algorithm.name in RL_ALGORITHMS:
-            if task.name not in RL_TASKS:
-                problems.append(
-                    f"task.name ({task.name!r}) is not a task {self.algorithm.name} can learn; "
-                    f"use {' or '.join(RL_TASKS)}, with task.reward for your own reward"
-                )
-        elif task.name != "builtin:letters" and not (base / task.name).is_file():
+        name = task.name
+        rl = self.algorithm.name in RL_ALGORITHMS
+        if task.train is None and name is not None and rl:
+            if not (name in BUILTIN_TASKS or name.startswith(REASONING_GYM_PREFIX)):
+                problems.append(self._unknown_task(name, rl))
+        elif not rl and name not in (None, "builtin:letters") and not (base / name).is_file():
             problems.append(
-                f"task.name ({task.name!r}) is neither builtin:letters nor a file: "
-                f"{base / task.name} does not exist; give a JSONL path relative to the "
+                f"task.name ({name!r}) is neither builtin:letters nor a file: "
+                f"{base / name} does not exist; give a JSONL path relative to the "
                 "manifest's folder"
             )
-        reward = task.reward
-        if reward is not None and reward.file.endswith(".py") and "\0" not in reward.file:
-            problems += reward.check_source(base, "task.reward")
+        for i, ref in enumerate(task.reward_refs()):
+            where = "task.reward" if task.reward is not None else f"task.rewards[{i}]"
+            if ref.file.endswith(".py") and "\0" not in ref.file:
+                problems += ref.check_source(base, where)
         return problems
+
+    def _unknown_task(self, name: str, rl: bool) -> str:
+        if not rl:
+            return (
+                f"task.name ({name!r}) is not a dataset {self.algorithm.name} can learn from; "
+                "use builtin:letters, or task.train for your own file"
+            )
+        if "/" in name or name.endswith((".jsonl", ".json", ".csv", ".parquet")):
+            return (
+                f"task.name ({name!r}) looks like a file; your own rows go in task.train "
+                f"(task: {{train: {name}}})"
+            )
+        return (
+            f"task.name ({name!r}) is not a known task; use {', '.join(BUILTIN_TASKS)}, "
+            "reasoning_gym:<dataset>, or task.train for your own file"
+        )
 
     def _check_vllm(self) -> list[str]:
         """The vLLM rollout against the rest of the run: algorithm, ranks, installation."""

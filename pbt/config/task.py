@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pbt.config.rules import positive
-
-RL_TASKS = ("builtin:letters", "builtin:arithmetic", "builtin:addition")
-"""The prompt sets an RL algorithm learns from (each with its own reward)."""
-"""Algorithms that sample completions and learn from rewards (the rest learn from datasets)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,6 +19,11 @@ class RewardRef:
     """Path to a Python file, relative to the manifest's folder."""
     function: str
     """Name of the function in that file."""
+    weight: float = 1.0
+    """Its weight in the sum, when ``task.rewards`` lists several."""
+    batched: bool = False
+    """The function takes lists (``completions, answers, questions``) and returns a list of
+    floats, one per completion."""
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
@@ -33,6 +36,11 @@ class RewardRef:
             problems.append(f"{prefix}.file ({self.file!r}) must be a .py file")
         if not self.function.isidentifier():
             problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
+        if not math.isfinite(self.weight) or self.weight == 0:
+            problems.append(
+                f"{prefix}.weight ({self.weight}) must be a finite, non-zero number; 1.0 counts "
+                "the reward as is"
+            )
         return problems
 
     def check_source(self, base_dir: Path, prefix: str) -> list[str]:
@@ -71,24 +79,134 @@ class RewardRef:
         return []
 
 
+BUILTIN_TASKS = ("builtin:letters", "builtin:arithmetic", "builtin:addition")
+"""The procedural tasks shipped with the package (no files, no downloads)."""
+REASONING_GYM_PREFIX = "reasoning_gym:"
+"""``task.name: reasoning_gym:<dataset>``: a procedural dataset of the reasoning-gym package
+(the ``tasks`` extra), scored by its own scorer."""
+HUB_PREFIX = "hf:"
+"""``task.train: hf:NAME[:SPLIT]``: a dataset on the Hugging Face hub, by ``datasets``' path."""
+DEFAULT_TASK = "builtin:letters"
+
+
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
-    """The prompts, their answers and the reward."""
+    """Where the rows come from (a built-in task, a reasoning-gym dataset, or the user's own
+    files), how a row becomes a prompt, and the reward."""
 
-    name: str = "builtin:letters"
+    name: str | None = None
     """A built-in procedural task (``builtin:letters``, ``builtin:arithmetic``,
-    ``builtin:addition``)."""
+    ``builtin:addition``) or ``reasoning_gym:<dataset>``; null: ``builtin:letters`` unless
+    ``train`` names the user's own data."""
+    train: str | None = None
+    """The user's rows: a JSONL, JSON, CSV or Parquet file, or a folder written by
+    ``datasets.Dataset.save_to_disk``, relative to the manifest's folder; or ``hf:NAME[:SPLIT]``
+    for a hub dataset (split ``train`` by default). Loaded with ``datasets``, memory-mapped."""
+    eval: str | None = None
+    """Held-out rows for fitness, in the same forms as ``train``; null: a seeded
+    ``eval_fraction`` of ``train``."""
+    eval_fraction: float = 0.1
+    """The share of ``train`` held out for fitness when ``eval`` is null (a split seeded by
+    ``training.seed``, the same for every member)."""
+    question_field: str = "question"
+    """RL: the field of a row that is the question."""
+    answer_field: str = "answer"
+    """RL: the field passed to the reward as ``answer`` (any JSON value, as is)."""
+    prompt_field: str = "prompt"
+    """SFT and DPO: the field that is the prompt."""
+    response_field: str = "response"
+    """SFT: the field that is the response to imitate."""
+    chosen_field: str = "chosen"
+    """DPO: the field that is the preferred response."""
+    rejected_field: str = "rejected"
+    """DPO: the field that is the dispreferred response."""
+    system_prompt: str | None = None
+    """A system turn before each prompt (with the tokenizer's chat template)."""
+    prompt_template: str | None = None
+    """A format string over the row's fields that makes the user turn, e.g.
+    ``"Solve: {question}"``; null: the question (or prompt) field as is."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """reasoning-gym: keyword arguments of the dataset's config (e.g. ``{min_digits: 2}``);
+    ``size`` and ``seed`` are set from ``train_size + eval_size`` and ``training.seed``."""
     reward: RewardRef | None = None
-    """Replace the task's own reward with a user function."""
-    train_size: int = 2048
-    """Prompts in the training split (at most; a small built-in task may have fewer)."""
+    """The reward: a user function (replaces a built-in task's own reward)."""
+    rewards: list[RewardRef] = field(default_factory=list)
+    """Several rewards, summed by their ``weight`` (each logged on its own); not with
+    ``reward``."""
+    reward_timeout_s: float = 30.0
+    """Seconds one reward call (one completion, or one batch with ``batched``) may take before
+    the member fails with a message naming the function."""
+    train_size: int | None = None
+    """Training rows (at most): null takes every row of a file, and 2048 of a built-in or
+    reasoning-gym task (a small built-in task may have fewer)."""
     eval_size: int = 64
-    """Prompts in the held-out evaluation split (disjoint from training)."""
+    """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
+    eval split, the same for every member)."""
+
+    @property
+    def source(self) -> str:
+        """Where the rows come from: the task's name, or the ``train`` path."""
+        if self.train is not None:
+            return self.train
+        return self.name or DEFAULT_TASK
+
+    @property
+    def builtin_train_size(self) -> int:
+        """``train_size``, or the default of a built-in or reasoning-gym task."""
+        return 2048 if self.train_size is None else self.train_size
+
+    def reward_refs(self) -> list[RewardRef]:
+        """The user's rewards, whichever key named them."""
+        return [self.reward] if self.reward is not None else list(self.rewards)
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
-        positive(problems, f"{prefix}.train_size", self.train_size)
+        if self.train_size is not None:
+            positive(problems, f"{prefix}.train_size", self.train_size, "or null for every row")
         positive(problems, f"{prefix}.eval_size", self.eval_size)
+        positive(problems, f"{prefix}.reward_timeout_s", self.reward_timeout_s)
+        if not 0.0 < self.eval_fraction < 1.0:
+            problems.append(
+                f"{prefix}.eval_fraction ({self.eval_fraction}) must be between 0 and 1 "
+                "(exclusive); 0.1 holds out a tenth of train"
+            )
+        problems += self._check_source(prefix)
+        if self.reward is not None and self.rewards:
+            problems.append(
+                f"{prefix}.reward and {prefix}.rewards are both set; give one reward as reward, "
+                "or several as rewards"
+            )
         if self.reward is not None:
             problems += self.reward.check(f"{prefix}.reward")
+        for i, ref in enumerate(self.rewards):
+            problems += ref.check(f"{prefix}.rewards[{i}]")
         return problems
+
+    def _check_source(self, prefix: str) -> list[str]:
+        name = self.name
+        if self.train is not None and name is not None and not name.startswith("builtin:"):
+            return [
+                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                "give train for your own data, or name for a built-in task"
+            ]
+        if self.train is not None and name is not None:
+            return [
+                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                "remove name to train on your file"
+            ]
+        if self.train is None and self.eval is not None:
+            return [
+                f"{prefix}.eval ({self.eval!r}) needs {prefix}.train: held-out rows of your own "
+                "data go with training rows of your own; add train or remove eval"
+            ]
+        if name is not None and name == REASONING_GYM_PREFIX:
+            return [
+                f"{prefix}.name ({name!r}) names no dataset; write "
+                "reasoning_gym:<dataset>, e.g. reasoning_gym:basic_arithmetic"
+            ]
+        for key in ("train", "eval"):
+            value = getattr(self, key)
+            if value is not None and (not value or "\0" in value):
+                problems = f"{prefix}.{key} ({value!r}) is not a path"
+                return [f"{problems}; give a file or folder relative to the manifest's folder"]
+        return []
