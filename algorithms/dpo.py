@@ -50,7 +50,7 @@ class DPO(Learner):
         with self.model.disable_adapter():
             return self._sequence_logps(batch)
 
-    def train_step(self, train: list[PreferenceExample], reward_fn=None) -> dict[str, float]:
+    def train_step(self, train: list[PreferenceExample], reward=None) -> dict[str, float]:
         start = time.perf_counter()
         metrics = self.learn(self.sample_prompts(train))
         elapsed = time.perf_counter() - start
@@ -97,7 +97,7 @@ class DPO(Learner):
 
     @torch.no_grad()
     def evaluate(
-        self, examples: list[PreferenceExample], reward_fn=None, temperature: float = 0.0
+        self, examples: list[PreferenceExample], reward=None, temperature: float = 0.0
     ) -> float:
         """Preference accuracy on ``examples``: the share whose chosen response the adapter
         prefers over the rejected one more than the reference does."""

@@ -29,8 +29,9 @@ from pbt.algorithms import losses
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
+from pbt.algorithms.rewards import Reward
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate, sequence_logprobs
-from pbt.algorithms.tasks import Example, RewardFn
+from pbt.algorithms.tasks import Example
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 
@@ -114,25 +115,38 @@ class GRPO(Learner):
             self.engine.sync(self)
         return self.engine.complete([Request(self, questions, repeats, greedy, temperature)])[0]
 
-    def score(self, examples: list[Example], batch: RolloutBatch, reward_fn: RewardFn) -> Tensor:
-        """Rewards ``[N]`` of ``batch``'s completions, its rows grouped by ``examples``."""
+    def score(self, examples: list[Example], batch: RolloutBatch, reward: Reward) -> Tensor:
+        """Total rewards ``[N]`` of ``batch``'s completions, its rows grouped by ``examples``."""
+        return self.score_terms(examples, batch, reward)[0]
+
+    def score_terms(
+        self, examples: list[Example], batch: RolloutBatch, reward: Reward
+    ) -> tuple[Tensor, Tensor]:
+        """Total rewards ``[N]`` of ``batch``'s completions and each term's raw values
+        ``[N, K]`` (``reward.names`` order), its rows grouped by ``examples``."""
         repeats = len(batch) // max(len(examples), 1)
         if repeats * len(examples) != len(batch):
             raise ValueError(
                 f"a batch of {len(batch)} completions does not group evenly over "
                 f"{len(examples)} prompts"
             )
-        rewards = [
-            float(reward_fn(text, examples[i // repeats].answer, examples[i // repeats].question))
-            for i, text in enumerate(batch.texts)
-        ]
-        return torch.tensor(rewards, dtype=torch.float32)
+        rows = [examples[i // repeats] for i in range(len(batch))]
+        total, parts = reward(rows, batch.texts)
+        terms = torch.stack([parts[name] for name in reward.names], dim=1)  # [N, K]
+        return total, terms
 
-    def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
+    def rollout(self, examples: list[Example], reward: Reward) -> tuple[RolloutBatch, Tensor]:
         """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``,
         the rewards shaped by the overlong penalty when ``overlong_buffer`` is set."""
+        batch, rewards, _ = self._rollout(examples, reward)
+        return batch, rewards
+
+    def _rollout(
+        self, examples: list[Example], reward: Reward
+    ) -> tuple[RolloutBatch, Tensor, Tensor]:
+        """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too."""
         batch = self.complete([ex.question for ex in examples])
-        rewards = self.score(examples, batch, reward_fn)
+        rewards, terms = self.score_terms(examples, batch, reward)
         algo = self.algorithm
         if algo.overlong_buffer > 0:
             lengths = batch.completion_mask.sum(dim=1).cpu()
@@ -140,52 +154,56 @@ class GRPO(Learner):
                 lengths, self.rollout_cfg.max_output_tokens, algo.overlong_buffer,
                 algo.overlong_penalty,
             )  # fmt: skip
-        return batch, rewards
+        return batch, rewards, terms
 
-    def train_step(self, train: list[Example], reward_fn: RewardFn) -> dict[str, float]:
-        """Sample, score and learn from one batch; returns the step's metrics."""
+    def train_step(self, train: list[Example], reward: Reward) -> dict[str, float]:
+        """Sample, score and learn from one batch; returns the step's metrics, each reward
+        term's mean among them as ``reward/<name>``."""
         start = time.perf_counter()
         if self.algorithm.dynamic_sampling:
-            batch, rewards, extra = self._dynamic_rollout(train, reward_fn)
+            batch, rewards, terms, extra = self._dynamic_rollout(train, reward)
         else:
-            batch, rewards = self.rollout(self.sample_prompts(train), reward_fn)
+            batch, rewards, terms = self._rollout(self.sample_prompts(train), reward)
             extra = {}
-        metrics = self.learn(batch, rewards) | extra
+        metrics = self.learn(batch, rewards) | extra | term_means(reward.names, terms)
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
         return metrics | self.memory_metrics()
 
     def _dynamic_rollout(
-        self, train: list[Example], reward_fn: RewardFn
-    ) -> tuple[RolloutBatch, Tensor, dict[str, float]]:
+        self, train: list[Example], reward: Reward
+    ) -> tuple[RolloutBatch, Tensor, Tensor, dict[str, float]]:
         """DAPO's dynamic sampling: keep only groups whose rewards differ, and sample more
         prompts until this rank has its share of ``prompts_per_step`` groups, or
         ``max_resamples`` extra rounds have been drawn. Ranks take the same number of rounds.
         """
         algo, group = self.algorithm, self.algorithm.group_size
         want = algo.prompts_per_step // self.world_size
-        kept: list[tuple[RolloutBatch, Tensor]] = []
+        kept: list[tuple[RolloutBatch, Tensor, Tensor]] = []
         have, rounds, dropped = 0, 0, 0
         while True:
-            batch, rewards = self.rollout(self.sample_prompts(train), reward_fn)
+            batch, rewards, terms = self._rollout(self.sample_prompts(train), reward)
             _, signal = self.objective.advantages(rewards, group, algo.advantage_eps)
             groups = signal.view(-1, group)[:, 0].nonzero().squeeze(1)[: want - have]
             dropped += len(signal) // group - len(groups)
             rows = (groups.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
             if len(rows):
-                kept.append((batch.select(rows.to(batch.completion_ids.device)), rewards[rows]))
+                kept.append(
+                    (batch.select(rows.to(batch.completion_ids.device)), rewards[rows], terms[rows])
+                )
                 have += len(groups)
             short = all_reduce([float(have < want)], "max")[0]
             if not short or rounds >= algo.max_resamples:
                 break
             rounds += 1
         if not kept:  # nothing with signal on this rank: learn() skips or takes part with zeros
-            kept.append((batch, rewards))
-        batch = concat_batches([b for b, _ in kept], self.tokenizer.pad_token_id)
-        rewards = torch.cat([r for _, r in kept])
+            kept.append((batch, rewards, terms))
+        batch = concat_batches([b for b, _, _ in kept], self.tokenizer.pad_token_id)
+        rewards = torch.cat([r for _, r, _ in kept])
+        terms = torch.cat([t for _, _, t in kept])
         totals = all_reduce([float(rounds), float(dropped)], "max")
-        return batch, rewards, {"resample_rounds": totals[0], "dropped_groups": totals[1]}
+        return batch, rewards, terms, {"resample_rounds": totals[0], "dropped_groups": totals[1]}
 
     def learn(self, batch: RolloutBatch, rewards: Tensor) -> dict[str, float]:
         """Update the adapter from this rank's share of a scored batch; returns global metrics.
@@ -373,11 +391,12 @@ class GRPO(Learner):
     def evaluate(
         self,
         examples: list[Example],
-        reward_fn: RewardFn,
+        reward: Reward,
         temperature: float = 0.0,
         batch_size: int = 64,
     ) -> float:
-        """Mean reward on ``examples`` (greedy when ``temperature`` is 0), split across ranks."""
+        """Mean total reward on ``examples`` (greedy when ``temperature`` is 0), split across
+        ranks."""
         self.model.eval()
         mine = examples[self.rank :: self.world_size]
         # every rank runs the same number of generate calls (sharded layers gather together)
@@ -390,11 +409,17 @@ class GRPO(Learner):
                 greedy=temperature == 0,
                 temperature=temperature or None,
             )
-            total += sum(
-                reward_fn(t, ex.answer, ex.question)
-                for t, ex in zip(batch.texts, chunk, strict=False)
-            )
+            if chunk:
+                total += float(reward(chunk, batch.texts)[0].sum())
         return all_reduce([total])[0] / max(len(examples), 1)
+
+
+def term_means(names: list[str], terms: Tensor) -> dict[str, float]:
+    """Each reward term's mean over every rank's rows, as ``{"reward/<name>": mean}``; a
+    collective. ``terms`` is ``[N, K]`` in ``names`` order."""
+    sums = all_reduce([*terms.sum(dim=0).tolist(), float(len(terms))])
+    count = max(sums[-1], 1.0)
+    return {f"reward/{name}": value / count for name, value in zip(names, sums, strict=False)}
 
 
 def nonfinite_note(metrics: dict[str, float]) -> str:

@@ -9,8 +9,8 @@ and the learning-rate schedule does not advance for a training step whose every 
 skipped. ``algorithm.max_nonfinite_steps`` skipped steps in a row raise
 :class:`~pbt.config.errors.DivergedError`, which the member reports as fault ``diverged``.
 
-An algorithm subclasses :class:`Learner` and provides ``train_step(train, reward_fn)`` (one
-step, returning its metrics) and ``evaluate(examples, reward_fn, temperature)`` (the member's
+An algorithm subclasses :class:`Learner` and provides ``train_step(train, reward)`` (one
+step, returning its metrics) and ``evaluate(examples, reward, temperature)`` (the member's
 fitness: larger is better, comparable across members whatever their hyperparameters). The
 registry :data:`LEARNERS` maps ``algorithm.name`` to the class.
 """
@@ -328,10 +328,10 @@ class Learner:
 
     # -- what an algorithm provides --------------------------------------------------------
 
-    def train_step(self, train: list, reward_fn=None) -> dict[str, float]:
+    def train_step(self, train: list, reward=None) -> dict[str, float]:
         raise NotImplementedError
 
-    def evaluate(self, examples: list, reward_fn=None, temperature: float = 0.0) -> float:
+    def evaluate(self, examples: list, reward=None, temperature: float = 0.0) -> float:
         raise NotImplementedError
 
     def describe(self, metrics: dict[str, float]) -> str:

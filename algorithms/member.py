@@ -156,7 +156,7 @@ class Member:
 
     def train_step(self) -> dict[str, float]:
         """One training step on the task's training split; returns its metrics."""
-        return self.learner.train_step(self.task.train, self.task.reward_fn)
+        return self.learner.train_step(self.task.train, self.task.reward)
 
     def train(
         self,
@@ -298,7 +298,7 @@ def load_data(manifest: Manifest) -> Task:
 
     load = load_sft if manifest.algorithm.name == "SFT" else load_preferences
     data = load(cfg.source, manifest.base_dir, seed, cfg.builtin_train_size, cfg.eval_size)
-    return Task(data.name, data.train, data.eval, reward_fn=None)
+    return Task(data.name, data.train, data.eval, reward=None)
 
 
 def seed_everything(seed: int) -> None:

@@ -39,7 +39,7 @@ class SFT(Learner):
         )
         return _to(batch, self.device)
 
-    def train_step(self, train: list[SFTExample], reward_fn=None) -> dict[str, float]:
+    def train_step(self, train: list[SFTExample], reward=None) -> dict[str, float]:
         start = time.perf_counter()
         metrics = self.learn(self.sample_prompts(train))
         elapsed = time.perf_counter() - start
@@ -77,9 +77,7 @@ class SFT(Learner):
         }
 
     @torch.no_grad()
-    def evaluate(
-        self, examples: list[SFTExample], reward_fn=None, temperature: float = 0.0
-    ) -> float:
+    def evaluate(self, examples: list[SFTExample], reward=None, temperature: float = 0.0) -> float:
         """Negative mean NLL per response token over ``examples``, split across ranks."""
         self.model.eval()
         nll, tokens = _sum_over_chunks(

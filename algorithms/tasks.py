@@ -1,23 +1,21 @@
 """Tasks: prompts with answers, split into train and held-out eval, and their rewards.
 
-A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) -> float``.
-Built-in tasks are procedural (no downloads) and deterministic for a seed, one module each
-under :mod:`pbt.algorithms.builtin`: ``builtin:letters``, ``builtin:arithmetic`` and
-``builtin:addition`` (a fixed held-out split, and a warm-started model that learns it on a CPU).
+A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) -> float``
+(see :mod:`pbt.algorithms.rewards`). Built-in tasks are procedural (no downloads) and deterministic
+for a seed, one module each under :mod:`pbt.algorithms.builtin`: ``builtin:letters``,
+``builtin:arithmetic`` and ``builtin:addition`` (a fixed held-out split, and a warm-started model
+that learns it on a CPU).
 
-A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``,
-loaded only from the file the manifest names.
+A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``
+(or several weighted ones in ``task.rewards``), loaded only from the file the manifest names.
+``reasoning_gym:<dataset>`` names a dataset of reasoning-gym (:mod:`pbt.algorithms.reasoning_gym`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pbt.algorithms.builtin.addition import ADDITION_TASK, addition_split
 from pbt.algorithms.builtin.arithmetic import arithmetic_problems, arithmetic_reward
@@ -27,10 +25,11 @@ from pbt.algorithms.builtin.letters import (
     letters_problems,
     letters_reward,
 )
-from pbt.config import RewardRef, TaskConfig
+from pbt.algorithms.reasoning_gym import reasoning_gym_split
+from pbt.algorithms.rewards import Reward, RewardFn, RewardTerm, build_reward
+from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
-
-RewardFn = Callable[[str, Any, str], float]
+from pbt.config.task import REASONING_GYM_PREFIX
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +42,13 @@ class Example:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """A task ready to train on: disjoint train and eval splits plus the reward."""
+    """A task ready to train on: disjoint train and eval splits plus the reward (None for SFT
+    and DPO)."""
 
     name: str
     train: list[Example]
     eval: list[Example]
-    reward_fn: RewardFn
+    reward: Reward | None
 
 
 def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
@@ -58,6 +58,10 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         ConfigError: unknown task, too few distinct prompts, or a bad reward reference.
     """
     name = cfg.source
+    if name.startswith(REASONING_GYM_PREFIX):
+        train, held_out, own = reasoning_gym_split(cfg, seed)
+        rows = [[Example(q, a) for q, a in split] for split in (train, held_out)]
+        return Task(name, *rows, build_reward(cfg, base_dir, own))
     if name == ADDITION_TASK:
         return _addition_task(cfg, base_dir)
     rng = random.Random(f"{name}:{seed}")
@@ -84,9 +88,8 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
                 f"{len(pool)} distinct prompts; lower eval_size"
             ]
         )
-    if cfg.reward is not None:
-        reward_fn = load_reward_fn(cfg.reward, base_dir)
-    return Task(name, train_split, eval_split, reward_fn)
+    reward = build_reward(cfg, base_dir, RewardTerm(name.split(":")[-1], name, reward_fn))
+    return Task(name, train_split, eval_split, reward)
 
 
 def _addition_task(cfg: TaskConfig, base_dir: str | Path) -> Task:
@@ -95,50 +98,13 @@ def _addition_task(cfg: TaskConfig, base_dir: str | Path) -> Task:
         train, held_out = addition_split(cfg.eval_size, cfg.builtin_train_size)
     except ValueError as err:
         raise ConfigError([str(err)]) from None
-    reward_fn = arithmetic_reward if cfg.reward is None else load_reward_fn(cfg.reward, base_dir)
+    own = RewardTerm("addition", ADDITION_TASK, arithmetic_reward)
     return Task(
         ADDITION_TASK,
         [Example(q, a) for q, a in train],
         [Example(q, a) for q, a in held_out],
-        reward_fn,
+        build_reward(cfg, base_dir, own),
     )
-
-
-def load_reward_fn(ref: RewardRef, base_dir: str | Path) -> RewardFn:
-    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``) and check its signature.
-
-    Raises:
-        ConfigError: missing file, import failure, missing or non-callable function, or a
-            function that cannot take ``(completion, answer, question)``.
-    """
-    path = (Path(base_dir) / ref.file).resolve()
-    if not path.is_file():
-        raise ConfigError([f"task.reward.file ({ref.file!r}) not found at {path}; check the path"])
-    spec = importlib.util.spec_from_file_location(f"pbt_user_reward_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ConfigError([f"task.reward.file ({ref.file!r}) failed to import: {err!r}"]) from None
-    fn = getattr(module, ref.function, None)
-    if not callable(fn):
-        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ConfigError(
-            [
-                f"task.reward.function ({ref.function!r}) is not a function in {ref.file}; found: {names}"
-            ]
-        )
-    try:
-        inspect.signature(fn).bind("completion", "answer", "question")
-    except TypeError:
-        raise ConfigError(
-            [
-                f"task.reward.function ({ref.function!r}) must accept (completion, answer, "
-                f"question); its signature is {inspect.signature(fn)}"
-            ]
-        ) from None
-    return fn
 
 
 __all__ = [
@@ -149,6 +115,5 @@ __all__ = [
     "Task",
     "arithmetic_reward",
     "letters_reward",
-    "load_reward_fn",
     "load_task",
 ]

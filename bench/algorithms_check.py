@@ -44,10 +44,10 @@ def main() -> None:
         member = Member(manifest_from_dict(data), torch.device(args.device))
         task, learner = member.task, member.learner
         started = time.perf_counter()
-        before = learner.evaluate(task.eval, task.reward_fn)
+        before = learner.evaluate(task.eval, task.reward)
         for _ in range(args.steps):
-            metrics = learner.train_step(task.train, task.reward_fn)
-        after = learner.evaluate(task.eval, task.reward_fn)
+            metrics = learner.train_step(task.train, task.reward)
+        after = learner.evaluate(task.eval, task.reward)
         seconds = time.perf_counter() - started
         peak = metrics.get("gpu_memory_gib", 0.0)
         print(f"{name:8s} {before:12.3f} -> {after:9.3f} {seconds:8.1f} {peak:9.3f}", flush=True)

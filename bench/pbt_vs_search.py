@@ -364,7 +364,7 @@ def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict
     member.load(directory / checkpoint)
     reward = member.learner.evaluate(
         [Example(q, a) for q, a in problems],
-        member.task.reward_fn,
+        member.task.reward,
         manifest.training.eval_temperature,
     )
     return {"member": member_id, "eval_reward": eval_reward, "reward": reward}

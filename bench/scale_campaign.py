@@ -265,7 +265,7 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
         for k, v in entry.items()
     )
     fitness = member.learner.evaluate(
-        member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
+        member.task.eval, member.task.reward, manifest.training.eval_temperature
     )
     if world.rank == 0:
         result = {

@@ -88,7 +88,7 @@ def run_mode(mode: str, model_dir: str, members: int, device: str) -> dict:
         def make(i: int):
             team.append(Member(manifest, target, f"m{i}"))
             member = team[-1]
-            return lambda: member.learner.train_step(member.task.train, member.task.reward_fn)
+            return lambda: member.learner.train_step(member.task.train, member.task.reward)
 
         step = [lambda i=i: make(i)() for i in range(members)]
     step[0]()

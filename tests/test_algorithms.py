@@ -69,10 +69,10 @@ def test_rl_objective_learns(tmp_path, variant):
     learned run of one letter scores 0.5; each objective must gain at least 0.15."""
     member = Member(_learning_manifest(tmp_path, RL[variant]), CPU)
     task, learner = member.task, member.learner
-    before = learner.evaluate(task.eval, task.reward_fn)
+    before = learner.evaluate(task.eval, task.reward)
     for _ in range(12):
-        learner.train_step(task.train, task.reward_fn)
-    after = learner.evaluate(task.eval, task.reward_fn)
+        learner.train_step(task.train, task.reward)
+    after = learner.evaluate(task.eval, task.reward)
     assert after > before + 0.15, (variant, before, after)
 
 
@@ -97,7 +97,7 @@ def test_dataset_algorithm_learns(tmp_path, variant):
 def test_dapo_dynamic_sampling_fills_the_batch_with_signal(tmp_path):
     variant = {"algorithm": {"loss": "dapo", "dynamic_sampling": True, "max_resamples": 6}}
     member = Member(manifest_from_dict(_sections(tmp_path, variant), base_dir=tmp_path), CPU)
-    metrics = member.learner.train_step(member.task.train, member.task.reward_fn)
+    metrics = member.learner.train_step(member.task.train, member.task.reward)
     assert metrics["zero_signal_fraction"] == 0.0
     assert metrics["resample_rounds"] >= 0 and "dropped_groups" in metrics
 
@@ -108,8 +108,8 @@ def test_overlong_penalty_shapes_rewards(tmp_path):
     learner, task = member.learner, member.task
     examples = learner.sample_prompts(task.train)
     torch.manual_seed(0)
-    batch, shaped = learner.rollout(examples, task.reward_fn)
-    plain = learner.score(examples, batch, task.reward_fn)
+    batch, shaped = learner.rollout(examples, task.reward)
+    plain = learner.score(examples, batch, task.reward)
     lengths = batch.completion_mask.sum(dim=1)
     expected = -0.5 * ((lengths - 2).clamp(min=0) / 4).clamp(max=1.0)  # limit 6, buffer 4
     torch.testing.assert_close(shaped - plain, expected)

@@ -25,7 +25,7 @@ def _adapter(member: Member) -> dict[str, torch.Tensor]:
 
 def _train(member: Member, steps: int) -> list[float]:
     return [
-        member.learner.train_step(member.task.train, member.task.reward_fn)["reward_mean"]
+        member.learner.train_step(member.task.train, member.task.reward)["reward_mean"]
         for _ in range(steps)
     ]
 

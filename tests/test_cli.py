@@ -27,7 +27,7 @@ def _pbt(*args: str) -> subprocess.CompletedProcess:
 
 def test_inspect_export_and_merge(tmp_path):
     member = Member(small_manifest(tmp_path), torch.device("cpu"), member_id="g004-m01")
-    member.learner.train_step(member.task.train, member.task.reward_fn)
+    member.learner.train_step(member.task.train, member.task.reward)
     member.fitness.append(0.25)
     digest = member.save(tmp_path / "ckpt")
 

@@ -17,7 +17,7 @@ def _adapter(member: Member) -> dict[str, torch.Tensor]:
 
 def _scored_batch(member: Member):
     examples = member.learner.sample_prompts(member.task.train)
-    return member.learner.rollout(examples, member.task.reward_fn)
+    return member.learner.rollout(examples, member.task.reward)
 
 
 def test_micro_batches_accumulate_to_the_same_update(tmp_path):
@@ -85,7 +85,7 @@ def test_kl_term_is_zero_before_training_and_grows_after(tmp_path):
 
 def test_mutated_lr_lands_in_the_optimizer_and_keeps_adam_state(tmp_path):
     member = Member(small_manifest(tmp_path, optim={"warmup_steps": 10}), CPU)
-    member.learner.train_step(member.task.train, member.task.reward_fn)
+    member.learner.train_step(member.task.train, member.task.reward)
     learner = member.learner
     moments = {id(p): s["exp_avg"].clone() for p, s in learner.optimizer.state.items()}
     position = learner.scheduler.last_epoch

@@ -290,7 +290,7 @@ def scored(tmp_path_factory):
     """A tiny member's first rollout and rewards with signal in both groups."""
     member = Member(small_manifest(tmp_path_factory.mktemp("scored")), CPU)
     examples = member.learner.sample_prompts(member.task.train)
-    batch, _ = member.learner.rollout(examples, member.task.reward_fn)
+    batch, _ = member.learner.rollout(examples, member.task.reward)
     return batch, torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0, 0.3, 0.9, 0.1])
 
 

@@ -39,7 +39,7 @@ def _member(tmp_path: Path) -> Member:
 
 def _train(member: Member, steps: int) -> list[float]:
     return [
-        member.learner.train_step(member.task.train, member.task.reward_fn)["reward_mean"]
+        member.learner.train_step(member.task.train, member.task.reward)["reward_mean"]
         for _ in range(steps)
     ]
 
@@ -163,10 +163,10 @@ def test_ppo_learns_the_letters_task(tmp_path):
     data["task"] = {**data["task"], "eval_size": 32}
     member = Member(manifest_from_dict(data, base_dir=tmp_path), CPU)
     task, learner = member.task, member.learner
-    before = learner.evaluate(task.eval, task.reward_fn)
+    before = learner.evaluate(task.eval, task.reward)
     for _ in range(15):
-        metrics = learner.train_step(task.train, task.reward_fn)
-    after = learner.evaluate(task.eval, task.reward_fn)
+        metrics = learner.train_step(task.train, task.reward)
+    after = learner.evaluate(task.eval, task.reward)
     assert after > before + 0.15, (before, after, learner.describe(metrics))
 
 

@@ -175,10 +175,10 @@ def test_grpo_member_learns_with_static_rollouts(tmp_path):
     )
     member = Member(manifest, CPU)
     task, learner = member.task, member.learner
-    before = learner.evaluate(task.eval, task.reward_fn)
+    before = learner.evaluate(task.eval, task.reward)
     for _ in range(12):
-        learner.train_step(task.train, task.reward_fn)
-    after = learner.evaluate(task.eval, task.reward_fn)
+        learner.train_step(task.train, task.reward)
+    after = learner.evaluate(task.eval, task.reward)
     assert after > before + 0.15, (before, after)
     assert learner.model.pbt_static_decoder is not None  # the static path really ran
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pbt.algorithms.tasks import arithmetic_reward, letters_reward, load_task
+from pbt.algorithms.tasks import Example, arithmetic_reward, letters_reward, load_task
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError
 
@@ -41,7 +41,8 @@ def test_user_reward_is_loaded_from_the_named_file(tmp_path):
     )
     cfg = TaskConfig(reward=RewardRef(file="rewards.py", function="short"))
     task = load_task(cfg, tmp_path, seed=0)
-    assert task.reward_fn("abc", None, "") == 0.25
+    total, parts = task.reward([Example("", None)], ["abc"])
+    assert total.tolist() == [0.25] and parts["short"].tolist() == [0.25]
 
 
 @pytest.mark.parametrize(

@@ -278,7 +278,7 @@ def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypat
     learner = member.learner
     learner.engine = engine
     batch = learner.complete(["Write the letter a."])  # first use: load, then sample
-    learner.train_step(member.task.train, member.task.reward_fn)  # samples (no signal: no step)
+    learner.train_step(member.task.train, member.task.reward)  # samples (no signal: no step)
     (-sequence_logprobs(learner.model, batch, 1.0).sum()).backward()
     learner._optimizer_step()
     learner.complete(["Write the letter b."])  # the step made the adapter stale: reload

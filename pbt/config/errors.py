@@ -46,3 +46,13 @@ class DivergedError(PbtError):
             f"it to clip harder), set algorithm.dual_clip (e.g. 3.0) for a ratio objective, or "
             f"raise algorithm.max_nonfinite_steps to tolerate more"
         )
+
+
+class RewardError(PbtError):
+    """A reward function raised, ran past ``task.reward_timeout_s``, or returned something that
+    is not a finite number. The message is one line naming the function, the row (question and
+    an excerpt of the completion) and the value or the exception.
+
+    The member's task fails with fault kind ``reward_error``; ``pbt train`` prints the message
+    and exits 2.
+    """

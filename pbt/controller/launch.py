@@ -10,10 +10,10 @@ The protocol, all JSON files in one task directory, all written atomically:
 the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
 rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
 
-A member that fails for want of memory or disk, or because its training diverged, says so in
-``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then ``out_of_memory``, ``disk_full``
-or ``diverged`` rather than ``failed``. With a memory limit, every process of a member's group
-starts under ``RLIMIT_DATA``.
+A member that fails for want of memory or disk, because its training diverged or because a reward
+function failed, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
+``out_of_memory``, ``disk_full``, ``diverged`` or ``reward_error`` rather than ``failed``. With
+a memory limit, every process of a member's group starts under ``RLIMIT_DATA``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ OutcomeStatus = Literal[
     "out_of_memory",
     "disk_full",
     "diverged",
+    "reward_error",
 ]
 STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
@@ -487,9 +488,9 @@ def _classify_exit(
 
 
 def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
-    """``out_of_memory``, ``disk_full`` or ``diverged`` with the member's own message, when the
-    member that failed reported one of them (or its log ends in a MemoryError); else
-    ``failed``."""
+    """``out_of_memory``, ``disk_full``, ``diverged`` or ``reward_error`` with the member's own
+    message, when the member that failed reported one of them (or its log ends in a
+    MemoryError); else ``failed``."""
     fault = faults.read(task.task_dir, _log_tail(Path(task.log_path)) or _log_tail(log))
     if fault is None:
         return "failed", detail

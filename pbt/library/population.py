@@ -120,7 +120,7 @@ class Agent:
     def reward(self, prompts: Sequence[Example], batch: RolloutBatch):
         """The task's rewards ``[N]`` for ``batch``, whose rows are grouped by ``prompts``."""
         member = self._activate()
-        return member.learner.score(list(prompts), batch, member.task.reward_fn)
+        return member.learner.score(list(prompts), batch, member.task.reward)
 
     def learn(self, experiences, rewards=None) -> dict[str, float]:
         """One update. GRPO and REINFORCE: from ``(batch, rewards)`` (or ``learn(batch,
@@ -165,7 +165,7 @@ class Agent:
         temp = manifest.training.eval_temperature if temperature is None else temperature
         fitness = member.learner.evaluate(
             list(examples) if examples is not None else member.task.eval,
-            member.task.reward_fn,
+            member.task.reward,
             temp,
         )
         self.fitness.append(fitness)

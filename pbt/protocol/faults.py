@@ -12,7 +12,9 @@ file because the disk is full, by the error it printed last.
 
 A member whose loss or gradient stayed NaN or inf for ``algorithm.max_nonfinite_steps`` steps in
 a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``diverged``: like a
-failed member, it is retried from its parent and then replaced.
+failed member, it is retried from its parent and then replaced. A reward function that raised,
+hung or returned something that is not a finite number raises
+:class:`~pbt.config.errors.RewardError`, recorded as ``reward_error`` with its one-line message.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pbt.config.errors import DivergedError
+from pbt.config.errors import DivergedError, RewardError
 from pbt.protocol.files import read_json, write_json_atomic
 
 FAULT_FILE = "fault.json"
-FaultKind = Literal["out_of_memory", "disk_full", "diverged"]
-KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full", "diverged")
+FaultKind = Literal["out_of_memory", "disk_full", "diverged", "reward_error"]
+KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full", "diverged", "reward_error")
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
@@ -43,7 +45,8 @@ _DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((EN
 
 
 def classify(err: BaseException) -> FaultKind | None:
-    """``out_of_memory``, ``disk_full``, ``diverged``, or None for any other error.
+    """``out_of_memory``, ``disk_full``, ``diverged``, ``reward_error``, or None for any other
+    error.
 
     The error and the errors it was raised from or while handling are looked at, so a
     checkpoint write that failed for a full disk counts as ``disk_full``. torch is never
@@ -54,6 +57,8 @@ def classify(err: BaseException) -> FaultKind | None:
         seen.add(id(err))
         if isinstance(err, DivergedError):
             return "diverged"
+        if isinstance(err, RewardError):
+            return "reward_error"
         if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
             return "out_of_memory"
         if isinstance(err, OSError) and err.errno == errno.ENOMEM:

@@ -106,7 +106,7 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     history = _train(member, task["steps"])
     marks.append(("train", time.perf_counter()))
     fitness = member.learner.evaluate(
-        member.task.eval, member.task.reward_fn, manifest.training.eval_temperature
+        member.task.eval, member.task.reward, manifest.training.eval_temperature
     )
     member.fitness.append(fitness)
     marks.append(("evaluate", time.perf_counter()))

@@ -142,7 +142,7 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
     started = time.perf_counter()
 
     def evaluate() -> float:
-        fitness = learner.evaluate(task.eval, task.reward_fn, cfg.eval_temperature)
+        fitness = learner.evaluate(task.eval, task.reward, cfg.eval_temperature)
         log.say(f"eval  step {learner.step:>4}: {learner.fitness_name} {fitness:.3f}")
         log.record({"step": learner.step, "eval_reward": fitness})
         return fitness

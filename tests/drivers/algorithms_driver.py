@@ -35,8 +35,8 @@ def main() -> None:
         data["distributed"] = {"fsdp": mode == "fsdp"}
         member = Member(manifest_from_dict(data, base_dir=out), torch.device("cpu"), name)
         task, learner = member.task, member.learner
-        losses = [learner.train_step(task.train, task.reward_fn)["loss"] for _ in range(2)]
-        fitness = learner.evaluate(task.eval, task.reward_fn)
+        losses = [learner.train_step(task.train, task.reward)["loss"] for _ in range(2)]
+        fitness = learner.evaluate(task.eval, task.reward)
         member.save(out / name)
         sharded = any(type(p).__name__ == "DTensor" for p in member.model.parameters())
         report[name] = {"losses": losses, "fitness": fitness, "sharded": sharded}

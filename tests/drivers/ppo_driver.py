@@ -34,9 +34,9 @@ def main() -> None:
     task, learner = member.task, member.learner
     metrics = []
     for _ in range(2):
-        step = learner.train_step(task.train, task.reward_fn)
+        step = learner.train_step(task.train, task.reward)
         metrics.append({key: step[key] for key in REPORTED})
-    fitness = learner.evaluate(task.eval, task.reward_fn)
+    fitness = learner.evaluate(task.eval, task.reward)
     member.save(out / "ppo")
     report = {
         "metrics": metrics,

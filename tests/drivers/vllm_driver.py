@@ -99,7 +99,7 @@ def main() -> None:
     loads = engine.adapter_loads
     learner = base.learner
     learner.optimizer = torch.optim.SGD([p for _, p in learner.named_params], lr=2.0)
-    learner.train_step(base.task.train, base.task.reward_fn)
+    learner.train_step(base.task.train, base.task.reward)
     report["step_hf"] = hf_greedy(base, questions)
     report["step_vllm"] = engine_greedy(base, questions)
     report["step_adapter_loads"] = engine.adapter_loads - loads
@@ -116,9 +116,9 @@ def main() -> None:
     fresh = shared.add("m2", seed=3)
     shared.activate("m2")
     task, learner = fresh.task, fresh.learner
-    report["before"] = learner.evaluate(task.eval, task.reward_fn)
-    steps = [learner.train_step(task.train, task.reward_fn) for _ in range(12)]
-    report["after"] = learner.evaluate(task.eval, task.reward_fn)
+    report["before"] = learner.evaluate(task.eval, task.reward)
+    steps = [learner.train_step(task.train, task.reward) for _ in range(12)]
+    report["after"] = learner.evaluate(task.eval, task.reward)
     report["train_metrics"] = steps
     report["train_s"] = sum(m["step_time_s"] for m in steps)
     out.write_text(json.dumps(report))

@@ -55,9 +55,9 @@ def main() -> None:
         report[f"{when}_hf"] = completions(hf)
         if when == "start":
             report["losses"] = [
-                learner.train_step(task.train, task.reward_fn)["loss"] for _ in range(2)
+                learner.train_step(task.train, task.reward)["loss"] for _ in range(2)
             ]
-    report["fitness"] = learner.evaluate(task.eval, task.reward_fn)
+    report["fitness"] = learner.evaluate(task.eval, task.reward)
     report["adapter_loads"] = member.host.engine.adapter_loads
     member.save(out / "ckpt")
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -1,0 +1,310 @@
+"""Rewards: one or several weighted reward functions, scored over a batch, every call guarded.
+
+A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) ->
+float``; with ``batched: true`` it takes lists ``(completions, answers, questions)`` and returns
+one number per completion. :class:`Reward` holds the terms of a task (its own reward for a
+built-in task, else the user's ``task.reward`` or ``task.rewards``) and scores a batch into the
+weighted sum and each term's raw values, which are logged as ``reward/<name>``.
+
+Every call is guarded: one that raises, runs past ``task.reward_timeout_s``, or returns anything
+but a finite ``int`` or ``float`` (None, NaN, inf, a bool, a string even if it reads as a
+number, a list of the wrong length) raises :class:`~pbt.config.errors.RewardError`, one line that
+names the function, the row and what it returned. Nothing is silently counted as 0. A call runs
+in a daemon thread so that the caller can stop waiting for one that hangs: the thread cannot be
+killed, but it keeps neither the member nor its process from ending.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import inspect
+import math
+import numbers
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from pbt.config import RewardRef, TaskConfig
+from pbt.config.errors import ConfigError, RewardError
+
+RewardFn = Callable[[str, Any, str], float]
+EXCERPT_CHARS = 80
+"""How much of a completion a reward error quotes."""
+SIGNAL_HINT = (
+    " (reward calls run outside the main thread, so that task.reward_timeout_s can stop them: "
+    "turn off the function's own signal-based timeout)"
+)
+
+
+class Row(Protocol):
+    """What a reward is judged against: a prompt's question and answer."""
+
+    question: str
+    answer: Any
+
+
+@dataclass(frozen=True, slots=True)
+class RewardTerm:
+    """One reward function in the weighted sum.
+
+    Attributes:
+        name: its metric name, ``reward/<name>`` (letters, digits, ``_`` and ``.``).
+        source: how errors name it: ``file.py:function``, or the task for a task's own reward.
+        fn: the function.
+        weight: its factor in the sum.
+        batched: whether ``fn`` takes lists and returns one number per completion.
+    """
+
+    name: str
+    source: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    batched: bool = False
+
+
+class Reward:
+    """A task's reward: the weighted sum of its terms, each call guarded.
+
+    Args:
+        terms: the reward functions (at least one).
+        timeout_s: how long one call (one completion, or one batch of a batched term) may take.
+    """
+
+    def __init__(self, terms: Sequence[RewardTerm], timeout_s: float = 30.0) -> None:
+        if not terms:
+            raise ValueError("a reward needs at least one term")
+        self.terms = list(terms)
+        self.timeout_s = float(timeout_s)
+        self._runner = _Runner()
+
+    @property
+    def names(self) -> list[str]:
+        """The terms' metric names, in order."""
+        return [t.name for t in self.terms]
+
+    def __call__(
+        self, rows: Sequence[Row], completions: Sequence[str]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Score ``completions[i]`` against ``rows[i]``.
+
+        Returns:
+            The weighted total ``[N]`` (float32) and each term's raw values ``{name: [N]}``.
+
+        Raises:
+            RewardError: a call raised, timed out, or returned something that is not a finite
+                number (or a batched term returned a list of the wrong length).
+        """
+        if len(rows) != len(completions):
+            raise ValueError(f"{len(completions)} completions for {len(rows)} rows")
+        parts = {t.name: self._score_term(t, rows, completions) for t in self.terms}
+        total = torch.zeros(len(rows), dtype=torch.float32)
+        for term in self.terms:
+            total += term.weight * parts[term.name]
+        return total, parts
+
+    def _score_term(self, term: RewardTerm, rows: Sequence[Row], texts: Sequence[str]) -> Tensor:
+        if term.batched:
+            values = self._batched(term, rows, texts)
+        else:
+            values = [
+                _number(
+                    term, self._call(term, (text, row.answer, row.question), row, text), row, text
+                )
+                for row, text in zip(rows, texts, strict=True)
+            ]
+        return torch.tensor(values, dtype=torch.float32)
+
+    def _batched(self, term: RewardTerm, rows: Sequence[Row], texts: Sequence[str]) -> list[float]:
+        if not rows:
+            return []
+        args = (list(texts), [r.answer for r in rows], [r.question for r in rows])
+        values = self._call(term, args, rows[0], texts[0], batch=len(rows))
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise RewardError(
+                f"reward {term.source} (batched) returned {_show(values)} for a batch of "
+                f"{len(rows)} completions; a batched reward returns a list of {len(rows)} "
+                "numbers, one per completion: fix the function, or set batched: false"
+            )
+        if len(values) != len(rows):
+            raise RewardError(
+                f"reward {term.source} (batched) returned {len(values)} values for a batch of "
+                f"{len(rows)} completions; return one number per completion, in order"
+            )
+        return [_number(term, v, r, t) for v, r, t in zip(values, rows, texts, strict=True)]
+
+    def _call(self, term: RewardTerm, args: tuple, row: Row, text: str, batch: int = 0) -> Any:
+        """``term.fn(*args)`` in the guard thread; its value, or a :class:`RewardError`."""
+        where = _where(row, text, batch)
+        try:
+            return self._runner.call(term.fn, args, self.timeout_s)
+        except _Hung:
+            raise RewardError(
+                f"reward {term.source} took longer than task.reward_timeout_s "
+                f"({self.timeout_s:g} s) {where}; make it faster, or raise task.reward_timeout_s"
+            ) from None
+        except Exception as err:
+            hint = SIGNAL_HINT if "main thread" in str(err) else ""
+            raise RewardError(
+                f"reward {term.source} raised {type(err).__name__}: {_one_line(err)} {where}"
+                f"{hint}; fix the function"
+            ) from err
+
+
+class _Hung(Exception):
+    """A call ran past its time."""
+
+
+class _Runner:
+    """Runs calls one at a time in a daemon thread, so that the caller can stop waiting for
+    one that hangs; a hung thread is abandoned and a fresh one serves the next call."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue | None = None
+
+    def call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+        """``fn(*args)``'s value or exception; :class:`_Hung` after ``timeout_s`` seconds."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(
+                target=_serve, args=(self._jobs,), name="pbt-reward", daemon=True
+            ).start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # it finished just now, or raised TimeoutError itself
+                return future.result()
+            self._jobs.put(None)  # the thread ends if the call ever returns
+            self._jobs = None
+            raise _Hung from None
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        fn, args, future = job
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:
+            future.set_exception(err)
+
+
+def _number(term: RewardTerm, value: Any, row: Row, text: str) -> float:
+    """``value`` as a float when it is a finite real number (not a bool); else the error."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    raise RewardError(
+        f"reward {term.source} returned {_show(value)} {_where(row, text)}; a reward must return "
+        "a finite int or float for every completion (not None, NaN, inf, a bool or a string): "
+        "fix the function"
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _where(row: Row, text: str, batch: int = 0) -> str:
+    """The row a call failed on, on one line."""
+    quoted = f"question {_excerpt(str(row.question))}, completion {_excerpt(text)}"
+    return f"for a batch of {batch} completions (the first: {quoted})" if batch else f"for {quoted}"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or "(no message)"
+
+
+# -- building a task's reward ----------------------------------------------------------------
+
+
+def build_reward(cfg: TaskConfig, base_dir: str | Path, default: RewardTerm) -> Reward:
+    """The task's reward: the user's ``task.reward`` or ``task.rewards`` when given, else the
+    task's own ``default``; calls limited to ``task.reward_timeout_s``.
+
+    Raises:
+        ConfigError: a reward file or function that cannot be loaded.
+    """
+    refs = cfg.reward_refs()
+    if not refs:
+        return Reward([default], cfg.reward_timeout_s)
+    keys = (
+        ["task.reward"]
+        if cfg.reward is not None
+        else [f"task.rewards[{i}]" for i in range(len(refs))]
+    )
+    names = _term_names(refs)
+    terms = [
+        RewardTerm(
+            name,
+            f"{ref.file}:{ref.function}",
+            load_reward_fn(ref, base_dir, key),
+            ref.weight,
+            ref.batched,
+        )
+        for ref, key, name in zip(refs, keys, names, strict=True)
+    ]
+    return Reward(terms, cfg.reward_timeout_s)
+
+
+def _term_names(refs: Sequence[RewardRef]) -> list[str]:
+    """Each ref's metric name: its function's name, or ``<file stem>.<function>`` where two
+    functions share a name, with a number where even that repeats."""
+    functions = [r.function for r in refs]
+    names = [
+        r.function if functions.count(r.function) == 1 else f"{Path(r.file).stem}.{r.function}"
+        for r in refs
+    ]
+    return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+
+def load_reward_fn(ref: RewardRef, base_dir: str | Path, key: str = "task.reward") -> RewardFn:
+    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``) and check its signature.
+
+    Raises:
+        ConfigError: missing file, import failure, missing or non-callable function, or a
+            function that cannot take ``(completion, answer, question)``.
+    """
+    path = (Path(base_dir) / ref.file).resolve()
+    if not path.is_file():
+        raise ConfigError([f"{key}.file ({ref.file!r}) not found at {path}; check the path"])
+    spec = importlib.util.spec_from_file_location(f"pbt_user_reward_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ConfigError([f"{key}.file ({ref.file!r}) failed to import: {err!r}"]) from None
+    fn = getattr(module, ref.function, None)
+    if not callable(fn):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ConfigError(
+            [f"{key}.function ({ref.function!r}) is not a function in {ref.file}; found: {names}"]
+        )
+    try:
+        inspect.signature(fn).bind("completion", "answer", "question")
+    except TypeError:
+        takes = (
+            "(completions, answers, questions)" if ref.batched else "(completion, answer, question)"
+        )
+        raise ConfigError(
+            [
+                f"{key}.function ({ref.function!r}) must accept {takes}; its signature is "
+                f"{inspect.signature(fn)}"
+            ]
+        ) from None
+    return fn

@@ -1,0 +1,258 @@
+"""Rewards: weighted and batched terms, guarded calls with one-line errors, per-term metrics,
+and reasoning-gym tasks scored by their own scorer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support import small_manifest, small_sections, write_manifest
+
+from pbt.algorithms.member import Member
+from pbt.algorithms.reasoning_gym import Scorer, extract_answer
+from pbt.algorithms.rewards import Reward, RewardTerm, build_reward
+from pbt.algorithms.tasks import Example, load_task
+from pbt.config import RewardRef, TaskConfig
+from pbt.config.errors import ConfigError, RewardError
+from pbt.protocol import faults
+from pbt.worker.task import _failed
+
+CPU = torch.device("cpu")
+REWARDS_PY = """
+import math, time
+
+def length(completion, answer, question):
+    return len(completion)
+
+def exact(completion, answer, question):
+    return 1 if completion == answer else 0
+
+def lengths(completions, answers, questions):
+    return [float(len(c)) for c in completions]
+
+def raises(completion, answer, question):
+    return 1 / 0
+
+def none(completion, answer, question):
+    return None
+
+def nan(completion, answer, question):
+    return math.nan
+
+def text(completion, answer, question):
+    return "0.5"
+
+def truth(completion, answer, question):
+    return True
+
+def short_batch(completions, answers, questions):
+    return [1.0]
+
+def hangs(completion, answer, question):
+    time.sleep(60)
+
+def times_out_itself(completion, answer, question):
+    raise TimeoutError("my own deadline")
+"""
+ROWS = [Example("What is 2+3?", "5"), Example("Spell cat\nbackwards", "tac")]
+COMPLETIONS = ["5", "the answer is tac, " + "clearly " * 20]
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    return tmp_path
+
+
+def _reward(folder: Path, *functions: str, timeout_s: float = 30.0, **ref) -> Reward:
+    refs = [RewardRef(file="rewards.py", function=f, **ref) for f in functions]
+    cfg = TaskConfig(rewards=refs, reward_timeout_s=timeout_s)
+    return build_reward(cfg, folder, RewardTerm("unused", "unused", lambda *a: 0.0))
+
+
+def test_the_total_is_the_weighted_sum_and_each_term_is_kept(folder):
+    cfg = TaskConfig(
+        rewards=[
+            RewardRef(file="rewards.py", function="length", weight=0.5),
+            RewardRef(file="rewards.py", function="exact", weight=-2.0),
+        ]
+    )
+    total, parts = build_reward(cfg, folder, RewardTerm("own", "own", len))(ROWS, COMPLETIONS)
+    assert parts["length"].tolist() == [1.0, float(len(COMPLETIONS[1]))]
+    assert parts["exact"].tolist() == [1.0, 0.0]
+    assert total.dtype == torch.float32
+    assert total.tolist() == [0.5 - 2.0, 0.5 * len(COMPLETIONS[1])]
+
+
+def test_the_tasks_own_reward_serves_unless_the_user_names_one(folder):
+    own = RewardTerm("own", "builtin:x", lambda c, a, q: 7.0)
+    total, parts = build_reward(TaskConfig(), folder, own)(ROWS, COMPLETIONS)
+    assert total.tolist() == [7.0, 7.0] and list(parts) == ["own"]
+
+
+def test_a_batched_reward_gets_lists_and_gives_one_number_each(folder):
+    total, parts = _reward(folder, "lengths", batched=True)(ROWS, COMPLETIONS)
+    assert total.tolist() == [1.0, float(len(COMPLETIONS[1]))] == parts["lengths"].tolist()
+
+
+def test_two_functions_of_one_name_get_distinct_metric_names(folder):
+    (folder / "other.py").write_text("def length(completion, answer, question):\n    return 1\n")
+    refs = [
+        RewardRef(file="rewards.py", function="length"),
+        RewardRef(file="other.py", function="length"),
+    ]
+    reward = build_reward(TaskConfig(rewards=refs), folder, RewardTerm("x", "x", len))
+    assert reward.names == ["rewards.length", "other.length"]
+
+
+@pytest.mark.parametrize(
+    ("function", "batched", "says"),
+    [
+        ("raises", False, "raised ZeroDivisionError: division by zero"),
+        ("none", False, "returned None (NoneType)"),
+        ("nan", False, "returned nan (float)"),
+        ("text", False, "returned '0.5' (str)"),
+        ("truth", False, "returned True (bool)"),
+        ("times_out_itself", False, "raised TimeoutError: my own deadline"),
+        ("short_batch", True, "returned 1 values for a batch of 2 completions"),
+        ("none", True, "returned None (NoneType) for a batch of 2 completions"),
+    ],
+)
+def test_a_faulty_reward_fails_with_one_line_naming_function_row_and_value(
+    folder, function, batched, says
+):
+    with pytest.raises(RewardError) as err:
+        _reward(folder, function, batched=batched)(ROWS, COMPLETIONS)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"reward rewards.py:{function}")
+    assert says in message
+    if function != "short_batch" and not (batched and function == "none"):
+        assert "'What is 2+3?'" in message and "completion '5'" in message
+
+
+def test_the_row_is_quoted_on_one_line_with_an_excerpt_of_the_completion(folder):
+    with pytest.raises(RewardError) as err:
+        _reward(folder, "none")(ROWS[1:], COMPLETIONS[1:])
+    message = str(err.value)
+    assert "\n" not in message and "'Spell cat\\nbackwards'" in message
+    assert "completion 'the answer is tac, clearly" in message
+    assert COMPLETIONS[1] not in message and "...'" in message
+
+
+def test_a_hung_reward_fails_after_the_timeout(folder):
+    reward = _reward(folder, "hangs", timeout_s=1.0)
+    started = time.perf_counter()
+    with pytest.raises(RewardError, match=r"took longer than task.reward_timeout_s \(1 s\)"):
+        reward(ROWS, COMPLETIONS)
+    assert 0.9 < time.perf_counter() - started < 2.0
+
+
+def test_a_reward_error_is_a_reported_fault(tmp_path, capsys):
+    err = RewardError("reward rewards.py:none returned None (NoneType) on ...")
+    assert faults.classify(err) == "reward_error"
+    assert _failed(tmp_path, err)
+    assert faults.read(tmp_path) == ("reward_error", f"RewardError: {err}")
+    assert capsys.readouterr().err == f"error: {err}\n"  # its message, no traceback
+
+
+def test_a_missing_rewards_entry_names_its_key(folder):
+    refs = [
+        RewardRef(file="rewards.py", function="length"),
+        RewardRef(file="nope.py", function="f"),
+    ]
+    with pytest.raises(ConfigError, match=r"task.rewards\[1\].file \('nope.py'\) not found"):
+        build_reward(TaskConfig(rewards=refs), folder, RewardTerm("x", "x", len))
+
+
+# -- reasoning-gym -----------------------------------------------------------------------------
+
+
+def test_the_answer_is_the_last_answer_tag_else_the_last_line():
+    assert extract_answer("think\n<answer> 4 </answer> or <answer>-4</answer>\n") == "-4"
+    assert extract_answer("first 3\n\n  so: 7  \n\n") == "so: 7"
+    assert extract_answer("") == ""
+
+
+def test_reasoning_gym_rows_are_disjoint_and_scored_by_the_datasets_scorer():
+    cfg = TaskConfig(name="reasoning_gym:basic_arithmetic", train_size=24, eval_size=6)
+    task = load_task(cfg, ".", seed=3)
+    assert len(task.eval) == 6 and 0 < len(task.train) <= 24
+    assert not {ex.question for ex in task.eval} & {ex.question for ex in task.train}
+    assert task.reward.names == ["basic_arithmetic"]
+    row = task.eval[0]
+    right = f"Let me compute.\n<answer>{row.answer['answer']}</answer>"
+    total, _ = task.reward([row, row], [right, "<answer>not a number</answer>"])
+    assert total.tolist() == [1.0, 0.0]
+    assert load_task(cfg, ".", seed=3).eval == task.eval  # the same rows for a seed
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "says"),
+    [
+        ("basic_arithmetic_x", {}, "did you mean reasoning_gym:basic_arithmetic"),
+        ("basic_arithmetic", {"bogus": 1}, "its options are min_terms, max_terms"),
+        ("basic_arithmetic", {"min_terms": 0}, "min_terms must be positive"),
+        ("basic_arithmetic", {"seed": 1}, "task.options.seed (1) is set by training.seed"),
+    ],
+)
+def test_reasoning_gym_refuses_bad_names_and_options_in_one_line(name, options, says):
+    cfg = TaskConfig(name=f"reasoning_gym:{name}", options=options, train_size=4, eval_size=2)
+    with pytest.raises(ConfigError) as err:
+        load_task(cfg, ".", seed=0)
+    assert len(err.value.problems) == 1 and "\n" not in err.value.problems[0]
+    assert says in err.value.problems[0]
+
+
+def test_a_member_trains_on_reasoning_gym_with_the_scorer_as_its_reward(tmp_path):
+    task = {"name": "reasoning_gym:leg_counting", "train_size": 16, "eval_size": 4}
+    member = Member(small_manifest(tmp_path, task=task), CPU)
+    history = member.train(2)
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(h["reward/leg_counting"] == h["reward_mean"] for h in history)
+    examples = member.learner.sample_prompts(member.task.train)
+    batch = member.learner.complete([ex.question for ex in examples])
+    scored = member.learner.score(examples, batch, member.task.reward)
+    scorer = Scorer(member.task.reward.terms[0].fn.dataset)
+    group = member.manifest.algorithm.group_size
+    expected = [
+        scorer.dataset.score_answer(extract_answer(t), examples[i // group].answer)
+        for i, t in enumerate(batch.texts)
+    ]
+    assert scored.tolist() == pytest.approx(expected)
+    assert 0.0 <= member.learner.evaluate(member.task.eval, member.task.reward) <= 1.0
+
+
+def test_each_reward_terms_mean_is_a_step_metric(folder):
+    rewards = [
+        {"file": "rewards.py", "function": "length", "weight": 0.25},
+        {"file": "rewards.py", "function": "exact", "weight": 2.0},
+    ]
+    member = Member(small_manifest(folder, task={"rewards": rewards}), CPU)
+    (step,) = member.train(1)
+    assert step["reward/length"] > 0 and step["reward/exact"] == 0.0
+    assert step["reward_mean"] == pytest.approx(0.25 * step["reward/length"], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_pbt_train_stops_on_a_reward_that_returns_none_with_one_line(folder):
+    manifest = write_manifest(
+        folder / "m.yaml",
+        small_sections(folder),
+        task={"reward": {"file": "rewards.py", "function": "none"}},
+        training={"steps": 1},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pbt.cli", "train", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: reward rewards.py:none returned None (NoneType) for question")
