@@ -113,13 +113,13 @@ class Reward:
         if term.batched:
             values = self._batched(term, rows, texts)
         else:
-            values = [
-                _number(
-                    term, self._call(term, (text, row.answer, row.question), row, text), row, text
-                )
-                for row, text in zip(rows, texts, strict=True)
-            ]
+            values = [self._single(term, row, text) for row, text in zip(rows, texts, strict=True)]
         return torch.tensor(values, dtype=torch.float32)
+
+    def _single(self, term: RewardTerm, row: Row, text: str) -> float:
+        return _number(
+            term, self._call(term, (text, row.answer, row.question), row, text), row, text
+        )
 
     def _batched(self, term: RewardTerm, rows: Sequence[Row], texts: Sequence[str]) -> list[float]:
         if not rows:
