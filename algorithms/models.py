@@ -14,9 +14,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pbt.algorithms.builtin.tiny import TINY_MODEL_ID, tiny_model_dir
+from pbt.algorithms.builtin.tiny import tiny_model_dir
 from pbt.config import LoRAConfig, ModelConfig
-from pbt.config.errors import ConfigError
+from pbt.config.errors import ConfigError, PbtError
+from pbt.config.model import locate_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,11 +34,69 @@ def quiet_transformers() -> None:
     )
 
 
-def resolve_model_path(name: str) -> str:
-    """A folder or hub id for ``name``; ``builtin:tiny`` is built and cached on first use."""
-    if name == TINY_MODEL_ID:
+def resolve_model_path(name: str, base_dir: str | Path = ".") -> str:
+    """The folder or hub id to load for ``model.name`` (a folder relative to ``base_dir``, the
+    manifest's folder); ``builtin:tiny`` is built and cached on first use.
+
+    Raises:
+        ConfigError: ``name`` is neither the built-in model, a model folder nor a hub id.
+    """
+    where = locate_model(name, base_dir)
+    if where.kind == "invalid":
+        raise ConfigError([where.problem])
+    if where.kind == "builtin":
         return str(tiny_model_dir())
-    return name
+    return str(where.path) if where.kind == "folder" else name
+
+
+def _load_error(name: str, path: str, what: str, err: Exception) -> PbtError:
+    """One line for a model or tokenizer that ``from_pretrained`` could not load, in place of
+    the hub library's paragraph. A hub that cannot be reached is worth retrying (a plain
+    :class:`PbtError`); a name or folder that is wrong is a :class:`ConfigError`."""
+    if path != name:  # a local folder
+        first = _first_line(err)
+        return ConfigError(
+            [
+                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
+                "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
+            ]
+        )
+    names = {type(e).__name__ for e in _chain(err)}
+    if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
+        return ConfigError(
+            [
+                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
+                "may read (no such repository, or a gated or private one); check the spelling, "
+                "log in with "
+                "`hf auth login` for a gated model, or give a local folder"
+            ]
+        )
+    if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
+        return PbtError(
+            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
+            "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
+            "or download it once and give its folder"
+        )
+    first = _first_line(err)
+    return ConfigError(
+        [
+            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
+            f"({first}); give a causal language model with its tokenizer"
+        ]
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(" :") if lines else type(err).__name__
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and all(err is not e for e in seen):
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -47,13 +106,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer, with a pad token (falling back to EOS) and left padding for generation."""
-    path = resolve_model_path(cfg.name)
+def load_tokenizer(cfg: ModelConfig, base_dir: str | Path = "."):
+    """The tokenizer, with a pad token (falling back to EOS) and left padding for generation.
+
+    Raises:
+        ConfigError: ``model.name`` is not a model, or its tokenizer does not fit the config.
+        PbtError: the hub could not be reached for it.
+    """
+    path = resolve_model_path(cfg.name, base_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    except (OSError, ValueError) as err:
+        raise _load_error(cfg.name, path, "tokenizer", err) from None
     if cfg.pad_token is not None:
         if cfg.pad_token not in tokenizer.get_vocab():
             raise ConfigError(
@@ -80,13 +144,18 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_base_model(cfg: ModelConfig, device: torch.device):
-    """The frozen base model on ``device``."""
-    path = resolve_model_path(cfg.name)
+def load_base_model(cfg: ModelConfig, device: torch.device, base_dir: str | Path = "."):
+    """The frozen base model on ``device``.
+
+    Raises:
+        ConfigError: ``model.name`` is not a model this library can load.
+        PbtError: the hub could not be reached for it.
+    """
+    path = resolve_model_path(cfg.name, base_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, device))
-    except OSError as err:
-        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    except (OSError, ValueError) as err:
+        raise _load_error(cfg.name, path, "model", err) from None
     model.to(device)
     model.requires_grad_(False)
     return model
@@ -108,9 +177,12 @@ def add_lora(model, cfg: LoRAConfig, adapter_name: str = "default") -> PeftModel
     return get_peft_model(model, lora_config(cfg), adapter_name=adapter_name)
 
 
-def adapter_dir_base(name: str) -> str:
-    """What a saved adapter records as its base model: a path for ``builtin:tiny``."""
-    return str(Path(resolve_model_path(name)).resolve()) if name == TINY_MODEL_ID else name
+def adapter_dir_base(name: str, base_dir: str | Path = ".") -> str:
+    """What a saved adapter records as its base model: an absolute path for ``builtin:tiny``
+    and a local folder, the hub id otherwise."""
+    if locate_model(name, base_dir).kind == "hub":
+        return name
+    return str(Path(resolve_model_path(name, base_dir)).resolve())
 
 
 def set_mixed_precision(model, enabled: bool) -> None:

@@ -2,12 +2,86 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from pbt.config.rules import positive
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+BUILTIN_MODEL = "builtin:tiny"
+"""The one built-in model: built locally, needs no download."""
+_HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w][\w.-]*)?$")
+_MODEL_FIX = (
+    "give a model folder (relative paths resolve against the manifest's folder), a hub id such "
+    f"as Qwen/Qwen2.5-0.5B-Instruct, or {BUILTIN_MODEL}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLocation:
+    """Where ``model.name`` points, decided without loading anything (see :func:`locate_model`)."""
+
+    kind: Literal["builtin", "folder", "hub", "invalid"]
+    name: str
+    """``model.name`` as written."""
+    path: Path
+    """The folder the name resolves to (for a hub id or an invalid name, where it would be)."""
+    problem: str = ""
+    """Why the name cannot be used (kind ``invalid``): the key, the value, the rule and the fix."""
+
+    @property
+    def note(self) -> str:
+        """What a user should know before a run that is not a problem: a download."""
+        if self.kind != "hub":
+            return ""
+        return (
+            f"model.name ({self.name!r}) is not a local folder ({self.path} does not exist), so "
+            "every member will fetch it from the Hugging Face hub (or its local cache)"
+        )
+
+
+def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
+    """Classify ``model.name``: the built-in model, a local folder, a hub id, or invalid.
+
+    A local folder is relative to ``base_dir`` (the manifest's folder) or absolute (``~``
+    expanded), and must hold a ``config.json``. A name that exists nowhere is a hub id when it
+    has the hub's ``name`` or ``org/name`` shape; one that looks like a path (it starts with
+    ``.``, ``/`` or ``~``, or has more than one separator) is invalid.
+    """
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else Path(base_dir) / path
+    if name == BUILTIN_MODEL:
+        return ModelLocation("builtin", name, path)
+    if name.startswith("builtin:"):
+        rule = f"is not a built-in model; the one built-in model is {BUILTIN_MODEL}"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelLocation("folder", name, path)
+        rule = f"is a folder without config.json ({path / 'config.json'} is missing)"
+        fix = "give the folder that save_pretrained wrote (config.json, weights, tokenizer)"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
+    if path.exists():
+        rule = f"is not a folder: {path} is a file"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    if _looks_like_path(name):
+        rule = f"is not a folder: {path} does not exist"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    if not _HUB_ID.match(name):
+        rule = (
+            f"is neither a folder ({path} does not exist) nor a hub id (name or org/name, of "
+            "letters, digits, '-', '_' and '.')"
+        )
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    return ModelLocation("hub", name, path)
+
+
+def _looks_like_path(name: str) -> bool:
+    separators = sum(name.count(sep) for sep in {"/", os.sep, os.altsep} if sep)
+    return name.startswith((".", "/", "~")) or separators > 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,7 +101,9 @@ class ModelConfig:
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
         if not self.name.strip():
-            problems.append(f"{prefix}.name is empty; give a model folder, hub id or builtin:tiny")
+            problems.append(
+                f"{prefix}.name is empty; give a model folder, hub id or {BUILTIN_MODEL}"
+            )
         if self.pad_token_id is not None and self.pad_token_id < 0:
             problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
         return problems
