@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pbt.algorithms.builtin.tiny import tiny_model_dir
 from pbt.config import LoRAConfig, ModelConfig
-from pbt.config.errors import ConfigError, PbtError
-from pbt.config.model import locate_model
+from pbt.config.errors import ConfigError
+from pbt.config.model import locate_model, model_load_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,56 +49,6 @@ def resolve_model_path(name: str, base_dir: str | Path = ".") -> str:
     return str(where.path) if where.kind == "folder" else name
 
 
-def _load_error(name: str, path: str, what: str, err: Exception) -> PbtError:
-    """One line for a model or tokenizer that ``from_pretrained`` could not load, in place of
-    the hub library's paragraph. A hub that cannot be reached is worth retrying (a plain
-    :class:`PbtError`); a name or folder that is wrong is a :class:`ConfigError`."""
-    if path != name:  # a local folder
-        first = _first_line(err)
-        return ConfigError(
-            [
-                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
-                "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
-            ]
-        )
-    names = {type(e).__name__ for e in _chain(err)}
-    if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
-        return ConfigError(
-            [
-                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
-                "may read (no such repository, or a gated or private one); check the spelling, "
-                "log in with "
-                "`hf auth login` for a gated model, or give a local folder"
-            ]
-        )
-    if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
-        return PbtError(
-            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
-            "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
-            "or download it once and give its folder"
-        )
-    first = _first_line(err)
-    return ConfigError(
-        [
-            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
-            f"({first}); give a causal language model with its tokenizer"
-        ]
-    )
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0].rstrip(" :") if lines else type(err).__name__
-
-
-def _chain(err: BaseException | None) -> list[BaseException]:
-    seen: list[BaseException] = []
-    while err is not None and all(err is not e for e in seen):
-        seen.append(err)
-        err = err.__cause__ or err.__context__
-    return seen
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and float32 on CPU."""
     if dtype == "auto":
@@ -117,7 +67,7 @@ def load_tokenizer(cfg: ModelConfig, base_dir: str | Path = "."):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise _load_error(cfg.name, path, "tokenizer", err) from None
+        raise model_load_error(cfg.name, path, "tokenizer", err) from None
     if cfg.pad_token is not None:
         if cfg.pad_token not in tokenizer.get_vocab():
             raise ConfigError(
@@ -155,7 +105,7 @@ def load_base_model(cfg: ModelConfig, device: torch.device, base_dir: str | Path
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, device))
     except (OSError, ValueError) as err:
-        raise _load_error(cfg.name, path, "model", err) from None
+        raise model_load_error(cfg.name, path, "model", err) from None
     model.to(device)
     model.requires_grad_(False)
     return model

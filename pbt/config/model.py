@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pbt.config.errors import ConfigError, PbtError
 from pbt.config.rules import positive
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -84,13 +85,64 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or separators > 1
 
 
+def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtError:
+    """One line for a model or tokenizer that ``from_pretrained`` could not load from ``path``
+    (a folder, or the hub id ``name`` itself), in place of the hub library's paragraph. A hub that cannot be reached is worth retrying (a plain
+    :class:`PbtError`); a name or folder that is wrong is a :class:`ConfigError`."""
+    if path != name:  # a local folder
+        first = _first_line(err)
+        return ConfigError(
+            [
+                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
+                "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
+            ]
+        )
+    names = {type(e).__name__ for e in _chain(err)}
+    if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
+        return ConfigError(
+            [
+                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
+                "may read (no such repository, or a gated or private one); check the spelling, "
+                "log in with "
+                "`hf auth login` for a gated model, or give a local folder"
+            ]
+        )
+    if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
+        return PbtError(
+            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
+            "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
+            "or download it once and give its folder"
+        )
+    first = _first_line(err)
+    return ConfigError(
+        [
+            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
+            f"({first}); give a causal language model with its tokenizer"
+        ]
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(" :") if lines else type(err).__name__
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and all(err is not e for e in seen):
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The base model every member fine-tunes."""
 
     name: str = "builtin:tiny"
-    """A local Hugging Face folder, a hub id, or ``builtin:tiny`` (a small Qwen2-architecture
-    model with a locally trained tokenizer, built once and cached; needs no download)."""
+    """A local Hugging Face folder (with its ``config.json``; a relative path is relative to
+    the manifest's folder), a hub id, or ``builtin:tiny`` (a small Qwen2-architecture model
+    with a locally trained tokenizer, built once and cached; needs no download)."""
     dtype: Dtype = "auto"
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     pad_token: str | None = None
