@@ -62,8 +62,8 @@ class Host:
         # and FSDP shards must start from one set of weights), then one stream per rank for
         # sampling.
         seed_everything(manifest.training.seed)
-        self.tokenizer = load_tokenizer(manifest.model)
-        base = load_base_model(manifest.model, device)
+        self.tokenizer = load_tokenizer(manifest.model, manifest.base_dir)
+        base = load_base_model(manifest.model, device, manifest.base_dir)
         self.model = add_lora(base, manifest.lora)
         learner_class(manifest.algorithm.name).prepare_model(self.model, manifest.lora)
         self.fsdp = FSDPConfig.from_value(manifest.distributed.fsdp)
@@ -83,7 +83,10 @@ class Host:
             from pbt.algorithms.rollout.vllm import VLLMRollout
 
             self.engine = VLLMRollout(
-                manifest, resolve_model_path(manifest.model.name), self.tokenizer, device
+                manifest,
+                resolve_model_path(manifest.model.name, manifest.base_dir),
+                self.tokenizer,
+                device,
             )
 
     def serves(self, manifest: Manifest) -> bool:
@@ -231,7 +234,9 @@ class Member:
         return lambda: save_checkpoint(path, attributes, config)
 
     def _adapter_config(self) -> dict[str, Any]:
-        return adapter_config(self.model, adapter_dir_base(self.manifest.model.name))
+        return adapter_config(
+            self.model, adapter_dir_base(self.manifest.model.name, self.manifest.base_dir)
+        )
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``.

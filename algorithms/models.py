@@ -14,9 +14,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pbt.algorithms.builtin.tiny import TINY_MODEL_ID, tiny_model_dir
+from pbt.algorithms.builtin.tiny import tiny_model_dir
 from pbt.config import LoRAConfig, ModelConfig
 from pbt.config.errors import ConfigError
+from pbt.config.model import locate_model, model_load_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,11 +34,19 @@ def quiet_transformers() -> None:
     )
 
 
-def resolve_model_path(name: str) -> str:
-    """A folder or hub id for ``name``; ``builtin:tiny`` is built and cached on first use."""
-    if name == TINY_MODEL_ID:
+def resolve_model_path(name: str, base_dir: str | Path = ".") -> str:
+    """The folder or hub id to load for ``model.name`` (a folder relative to ``base_dir``, the
+    manifest's folder); ``builtin:tiny`` is built and cached on first use.
+
+    Raises:
+        ConfigError: ``name`` is neither the built-in model, a model folder nor a hub id.
+    """
+    where = locate_model(name, base_dir)
+    if where.kind == "invalid":
+        raise ConfigError([where.problem])
+    if where.kind == "builtin":
         return str(tiny_model_dir())
-    return name
+    return str(where.path) if where.kind == "folder" else name
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -47,13 +56,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer, with a pad token (falling back to EOS) and left padding for generation."""
-    path = resolve_model_path(cfg.name)
+def load_tokenizer(cfg: ModelConfig, base_dir: str | Path = "."):
+    """The tokenizer, with a pad token (falling back to EOS) and left padding for generation.
+
+    Raises:
+        ConfigError: ``model.name`` is not a model, or its tokenizer does not fit the config.
+        PbtError: the hub could not be reached for it.
+    """
+    path = resolve_model_path(cfg.name, base_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    except (OSError, ValueError) as err:
+        raise model_load_error(cfg.name, path, "tokenizer", err) from None
     if cfg.pad_token is not None:
         if cfg.pad_token not in tokenizer.get_vocab():
             raise ConfigError(
@@ -80,13 +94,18 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_base_model(cfg: ModelConfig, device: torch.device):
-    """The frozen base model on ``device``."""
-    path = resolve_model_path(cfg.name)
+def load_base_model(cfg: ModelConfig, device: torch.device, base_dir: str | Path = "."):
+    """The frozen base model on ``device``.
+
+    Raises:
+        ConfigError: ``model.name`` is not a model this library can load.
+        PbtError: the hub could not be reached for it.
+    """
+    path = resolve_model_path(cfg.name, base_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, device))
-    except OSError as err:
-        raise ConfigError([f"model.name ({cfg.name!r}) could not be loaded: {err}"]) from None
+    except (OSError, ValueError) as err:
+        raise model_load_error(cfg.name, path, "model", err) from None
     model.to(device)
     model.requires_grad_(False)
     return model
@@ -108,9 +127,12 @@ def add_lora(model, cfg: LoRAConfig, adapter_name: str = "default") -> PeftModel
     return get_peft_model(model, lora_config(cfg), adapter_name=adapter_name)
 
 
-def adapter_dir_base(name: str) -> str:
-    """What a saved adapter records as its base model: a path for ``builtin:tiny``."""
-    return str(Path(resolve_model_path(name)).resolve()) if name == TINY_MODEL_ID else name
+def adapter_dir_base(name: str, base_dir: str | Path = ".") -> str:
+    """What a saved adapter records as its base model: an absolute path for ``builtin:tiny``
+    and a local folder, the hub id otherwise."""
+    if locate_model(name, base_dir).kind == "hub":
+        return name
+    return str(Path(resolve_model_path(name, base_dir)).resolve())
 
 
 def set_mixed_precision(model, enabled: bool) -> None:

@@ -19,11 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pbt.config.model import BUILTIN_MODEL
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
-TINY_MODEL_ID = "builtin:tiny"
+TINY_MODEL_ID = BUILTIN_MODEL
 TINY_VERSION = 2
 """Bump when the recipe changes; part of the cache folder name."""
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from pbt import __version__
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
+from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.loader import load_manifest
 from pbt.controller.campaign import Campaign
@@ -39,8 +40,15 @@ from pbt.worker.train import default_manifest_path
 def _check(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     print(json.dumps(dataclasses.asdict(manifest), indent=2))
+    _print_notes(manifest)
     print(f"{args.manifest}: valid", file=sys.stderr)
     return 0
+
+
+def _print_notes(manifest: Manifest) -> None:
+    """What the user should know that is not a problem, one ``note:`` line each (stderr)."""
+    for note in manifest.notes():
+        print(f"note: {note}", file=sys.stderr)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -82,6 +90,7 @@ def interrupted_message(directory: Path) -> str:
 
 def _drive(campaign) -> int:
 
+    _print_notes(campaign.manifest)
     try:
         summary = campaign.run()
     finally:

@@ -21,7 +21,7 @@ from pbt.config.campaign import (
     SearchConfig,
     TrackingConfig,
 )
-from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig
+from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
 from pbt.config.rollout import RolloutConfig
 from pbt.config.task import BUILTIN_TASKS, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
@@ -71,6 +71,7 @@ class Manifest:
                 "model sharded by distributed.fsdp is not; use engine: hf (or vllm) with FSDP2, "
                 "or data parallel members with engine: static"
             )
+        problems += self._check_model()
         problems += self._check_files()
         if self.training.compile and fsdp:
             problems.append(
@@ -78,6 +79,22 @@ class Manifest:
                 "parallel members, or set compile: false"
             )
         return problems
+
+    def notes(self) -> list[str]:
+        """What a user should know before a run that is not a problem (``pbt check`` and
+        ``pbt run`` print these): a base model that members will fetch from the hub."""
+        if not self.model.name.strip():
+            return []
+        note = locate_model(self.model.name, self.base_dir).note
+        return [note] if note else []
+
+    def _check_model(self) -> list[str]:
+        """``model.name`` is the built-in model, a folder with a ``config.json`` or a hub id
+        (looked at, never loaded, here)."""
+        if not self.model.name.strip():
+            return []  # reported by the model section
+        problem = locate_model(self.model.name, self.base_dir).problem
+        return [problem] if problem else []
 
     def _check_files(self) -> list[str]:
         """The task's data and reward files exist where the manifest says, and each reward

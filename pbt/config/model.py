@@ -2,12 +2,137 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
+from pbt.config.errors import ConfigError, PbtError
 from pbt.config.rules import positive
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+BUILTIN_MODEL = "builtin:tiny"
+"""The one built-in model: built locally, needs no download."""
+_HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w][\w.-]*)?$")
+_MODEL_FIX = (
+    "give a model folder (relative paths resolve against the manifest's folder), a hub id such "
+    f"as Qwen/Qwen2.5-0.5B-Instruct, or {BUILTIN_MODEL}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLocation:
+    """Where ``model.name`` points, decided without loading anything (see :func:`locate_model`)."""
+
+    kind: Literal["builtin", "folder", "hub", "invalid"]
+    name: str
+    """``model.name`` as written."""
+    path: Path
+    """The folder the name resolves to (for a hub id or an invalid name, where it would be)."""
+    problem: str = ""
+    """Why the name cannot be used (kind ``invalid``): the key, the value, the rule and the fix."""
+
+    @property
+    def note(self) -> str:
+        """What a user should know before a run that is not a problem: a download."""
+        if self.kind != "hub":
+            return ""
+        return (
+            f"model.name ({self.name!r}) is not a local folder ({self.path} does not exist), so "
+            "every member will fetch it from the Hugging Face hub (or its local cache)"
+        )
+
+
+def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
+    """Classify ``model.name``: the built-in model, a local folder, a hub id, or invalid.
+
+    A local folder is relative to ``base_dir`` (the manifest's folder) or absolute (``~``
+    expanded), and must hold a ``config.json``. A name that exists nowhere is a hub id when it
+    has the hub's ``name`` or ``org/name`` shape; one that looks like a path (it starts with
+    ``.``, ``/`` or ``~``, or has more than one separator) is invalid.
+    """
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else Path(base_dir) / path
+    if name == BUILTIN_MODEL:
+        return ModelLocation("builtin", name, path)
+    if name.startswith("builtin:"):
+        rule = f"is not a built-in model; the one built-in model is {BUILTIN_MODEL}"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelLocation("folder", name, path)
+        rule = f"is a folder without config.json ({path / 'config.json'} is missing)"
+        fix = "give the folder that save_pretrained wrote (config.json, weights, tokenizer)"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
+    if path.exists():
+        rule = f"is not a folder: {path} is a file"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    if _looks_like_path(name):
+        rule = f"is not a folder: {path} does not exist"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    if not _HUB_ID.match(name):
+        rule = (
+            f"is neither a folder ({path} does not exist) nor a hub id (name or org/name, of "
+            "letters, digits, '-', '_' and '.')"
+        )
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+    return ModelLocation("hub", name, path)
+
+
+def _looks_like_path(name: str) -> bool:
+    separators = sum(name.count(sep) for sep in {"/", os.sep, os.altsep} if sep)
+    return name.startswith((".", "/", "~")) or separators > 1
+
+
+def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtError:
+    """One line for a model or tokenizer that ``from_pretrained`` could not load from ``path``
+    (a folder, or the hub id ``name`` itself), in place of the hub library's paragraph. A hub that cannot be reached is worth retrying (a plain
+    :class:`PbtError`); a name or folder that is wrong is a :class:`ConfigError`."""
+    if path != name:  # a local folder
+        first = _first_line(err)
+        return ConfigError(
+            [
+                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
+                "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
+            ]
+        )
+    names = {type(e).__name__ for e in _chain(err)}
+    if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
+        return ConfigError(
+            [
+                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
+                "may read (no such repository, or a gated or private one); check the spelling, "
+                "log in with "
+                "`hf auth login` for a gated model, or give a local folder"
+            ]
+        )
+    if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
+        return PbtError(
+            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
+            "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
+            "or download it once and give its folder"
+        )
+    first = _first_line(err)
+    return ConfigError(
+        [
+            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
+            f"({first}); give a causal language model with its tokenizer"
+        ]
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(" :") if lines else type(err).__name__
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and all(err is not e for e in seen):
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
 
 
 @dataclass(kw_only=True, slots=True)
@@ -15,8 +140,9 @@ class ModelConfig:
     """The base model every member fine-tunes."""
 
     name: str = "builtin:tiny"
-    """A local Hugging Face folder, a hub id, or ``builtin:tiny`` (a small Qwen2-architecture
-    model with a locally trained tokenizer, built once and cached; needs no download)."""
+    """A local Hugging Face folder (with its ``config.json``; a relative path is relative to
+    the manifest's folder), a hub id, or ``builtin:tiny`` (a small Qwen2-architecture model
+    with a locally trained tokenizer, built once and cached; needs no download)."""
     dtype: Dtype = "auto"
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     pad_token: str | None = None
@@ -27,7 +153,9 @@ class ModelConfig:
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
         if not self.name.strip():
-            problems.append(f"{prefix}.name is empty; give a model folder, hub id or builtin:tiny")
+            problems.append(
+                f"{prefix}.name is empty; give a model folder, hub id or {BUILTIN_MODEL}"
+            )
         if self.pad_token_id is not None and self.pad_token_id < 0:
             problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
         return problems

@@ -407,13 +407,13 @@ class Campaign:
             crash_point("launch")
             tasks = [self._task(m) for m in pending]
             outcomes = self._launcher().run(tasks, on_start=lambda *_: crash_point("task"))
-            retry, disk_full = [], None
+            retry, disk_full, lost = [], None, []
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
                 outcome = self._check_result(m, outcome)
                 if outcome.status == "ok":
                     self._record_success(m, outcome)
-                elif m.attempts < launch.max_attempts:
+                elif m.attempts < launch.max_attempts and outcome.status != "config_error":
                     self._record_fault(m, outcome, "retrying")
                     retry.append(m)
                 elif outcome.status == "disk_full":
@@ -421,7 +421,9 @@ class Campaign:
                     disk_full = disk_full or (m, outcome)
                 else:
                     self._record_fault(m, outcome, "replacing")
-                    self._replace(m, generation)
+                    lost.append((m, outcome))
+            for m, outcome in lost:  # after every success of the round: each may be a source
+                self._replace(m, generation, outcome)
             if disk_full is not None:
                 self._stop_for_disk(*disk_full)
             pending = retry
@@ -541,13 +543,14 @@ class Campaign:
         self.log.member_failed(m, outcome.status, outcome.detail, final=action == "replacing")
         reason = outcome.detail.splitlines()[0] if outcome.detail else ""
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
-        self.say(
-            f"  {m.member_id} attempt {m.attempts} {outcome.status}: {reason}; {action} (log: {log})"
-        )
+        of = f"attempt {m.attempts} of {self.manifest.launch.max_attempts}"
+        self.say(f"  {m.member_id} {outcome.status} ({of}): {reason}; {action} (log: {log})")
 
-    def _replace(self, m: MemberRecord, generation: int) -> None:
-        """After its last failed attempt, a member becomes a clone of the generation's best
-        finished member, or of its own parent when none has finished."""
+    def _replace(self, m: MemberRecord, generation: int, outcome: Outcome) -> None:
+        """After its last failed attempt (its first, on a configuration error, which would
+        fail again the same way), a member becomes a clone of the generation's best finished
+        member, or of its own parent when none has finished; with neither, the campaign stops
+        with the member's cause."""
         done = [x for x in self.store.members(generation) if x.status == "done"]
         window = self.manifest.population.fitness_window
         if done:
@@ -560,14 +563,24 @@ class Campaign:
             m.checkpoint = m.parent_checkpoint
             detail = f"replaced by its parent {m.parent_id} after {m.attempts} failed attempts"
         else:
-            raise PbtError(
-                f"{m.member_id} failed {m.attempts} times and no member of generation {generation} "
-                f"finished to replace it; see {self.dir / 'logs'}"
-            )
+            raise PbtError(self._nothing_to_replace(m, generation, outcome))
         m.status, m.mutation = "done", detail
         self.store.update_member(m)
         self.store.record_fault(generation, m.member_id, m.attempts, "replaced", detail)
         self.say(f"  {m.member_id} {detail}")
+
+    def _nothing_to_replace(self, m: MemberRecord, generation: int, outcome: Outcome) -> str:
+        """Why the campaign stops: the member's cause first, then what it means."""
+        cause = outcome.detail.splitlines()[0] if outcome.detail else outcome.status
+        times = "once" if m.attempts == 1 else f"{m.attempts} times"
+        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
+        fix = f"see {log}"
+        if outcome.status == "config_error":
+            fix = "fix the manifest and start the campaign again (pbt check MANIFEST first)"
+        return (
+            f"{m.member_id} failed {times} ({outcome.status}: {cause}) and no member of "
+            f"generation {generation} finished to replace it; {fix}"
+        )
 
     def _checkpoint_path(self, path: str, what: str) -> Path:
         """Where checkpoint ``path`` (relative to the campaign, from the store) lies on disk.

@@ -10,10 +10,13 @@ The protocol, all JSON files in one task directory, all written atomically:
 the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
 rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
 
-A member that fails for want of memory or disk, because its training diverged or because a reward
-function failed, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
-``out_of_memory``, ``disk_full``, ``diverged`` or ``reward_error`` rather than ``failed``. With
-a memory limit, every process of a member's group starts under ``RLIMIT_DATA``.
+A member that fails for want of memory or disk, because its training diverged, because a
+reward function failed, or on a configuration error, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
+``out_of_memory``, ``disk_full``, ``diverged``, ``reward_error`` or ``config_error`` rather than ``failed``. Any
+failed member's outcome starts with the cause its worker reported and the worker's own exit code
+(torchrun's agent exits 1 whatever its worker's code; without a report, the code is read from
+the agent's summary in the log). With a memory limit, every process of a member's group starts
+under ``RLIMIT_DATA``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import re
 import resource
 import shutil
 import signal
@@ -41,6 +45,8 @@ from pbt.protocol.files import RELEASED, read_json, write_json_atomic
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
 LOG_TAIL_LINES = 20
+_AGENT_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+"""The worker's exit code in torchrun's failure summary (its first observed failure first)."""
 
 OutcomeStatus = Literal[
     "ok",
@@ -53,6 +59,7 @@ OutcomeStatus = Literal[
     "disk_full",
     "diverged",
     "reward_error",
+    "config_error",
 ]
 STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
@@ -488,14 +495,21 @@ def _classify_exit(
 
 
 def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
-    """``out_of_memory``, ``disk_full``, ``diverged`` or ``reward_error`` with the member's own
-    message, when the member that failed reported one of them (or its log ends in a
-    MemoryError); else ``failed``."""
-    fault = faults.read(task.task_dir, _log_tail(Path(task.log_path)) or _log_tail(log))
-    if fault is None:
-        return "failed", detail
-    kind, message = fault
-    return kind, f"{message}; {detail}"
+    """The status and detail of a member that failed: the cause its worker reported and the
+    worker's exit code first; ``out_of_memory``, ``disk_full``, ``diverged``,
+    ``reward_error`` or ``config_error`` when the fault was of that kind (or the log ends in a MemoryError), else
+    ``failed``."""
+    tail = _log_tail(Path(task.log_path)) or _log_tail(log)
+    cause = faults.read_cause(task.task_dir)
+    fault = faults.read(task.task_dir, tail)
+    status: OutcomeStatus = fault[0] if fault is not None else "failed"
+    if cause is not None:
+        code = "" if cause.exit_code is None else f"; worker {_describe_exit(cause.exit_code)}"
+        return status, f"{cause.message}{code}"
+    worker = _AGENT_EXITCODE.search(tail)
+    if worker is not None:
+        detail = f"{detail} (worker {_describe_exit(int(worker.group(1)))})"
+    return status, detail if fault is None else f"{fault[1]}; {detail}"
 
 
 def _memory_limiter(limit: int) -> Callable[[], None]:

@@ -15,6 +15,16 @@ a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``dive
 failed member, it is retried from its parent and then replaced. A reward function that raised,
 hung or returned something that is not a finite number raises
 :class:`~pbt.config.errors.RewardError`, recorded as ``reward_error`` with its one-line message.
+
+A member that stops on a :class:`~pbt.config.errors.ConfigError` (a model that cannot be loaded,
+a tokenizer without a chat template, a batch its ranks cannot split) is ``config_error``: the
+same configuration fails the same way, so it is not retried.
+
+Whatever the error, the worker writes its one-line cause and the exit code it is about to exit
+with into ``fault.json`` (``cause`` and ``exit_code``; ``kind`` is null for an error of no known
+kind): torchrun's agent exits 1 whatever its worker's code, and the cause would otherwise be
+only in the member's log. The first report of an attempt stands, so a rank that fails because a
+peer died does not overwrite the peer's cause.
 """
 
 from __future__ import annotations
@@ -22,15 +32,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pbt.config.errors import DivergedError, RewardError
-from pbt.protocol.files import read_json, write_json_atomic
+from pbt.config.errors import ConfigError, DivergedError, PbtError, RewardError
+from pbt.protocol.files import read_json, write_json_once
 
 FAULT_FILE = "fault.json"
-FaultKind = Literal["out_of_memory", "disk_full", "diverged", "reward_error"]
-KINDS: tuple[FaultKind, ...] = ("out_of_memory", "disk_full", "diverged", "reward_error")
+FaultKind = Literal["out_of_memory", "disk_full", "diverged", "config_error", "reward_error"]
+KINDS: tuple[FaultKind, ...] = (
+    "out_of_memory",
+    "disk_full",
+    "diverged",
+    "config_error",
+    "reward_error",
+)
+CAUSE_CHARS = 600
+"""The most characters of a cause kept: a line a person reads, not a dump."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _OOM_TEXT = re.compile(r"out of memory|can't allocate memory|not enough memory", re.IGNORECASE)
@@ -45,13 +64,17 @@ _DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((EN
 
 
 def classify(err: BaseException) -> FaultKind | None:
-    """``out_of_memory``, ``disk_full``, ``diverged``, ``reward_error``, or None for any other
+    """``out_of_memory``, ``disk_full``, ``diverged``, ``config_error``, ``reward_error``, or None
+    for any other
     error.
 
     The error and the errors it was raised from or while handling are looked at, so a
-    checkpoint write that failed for a full disk counts as ``disk_full``. torch is never
-    imported: its out-of-memory errors are known by name and message.
+    checkpoint write that failed for a full disk counts as ``disk_full``; a ConfigError counts
+    only as the error itself, not as the context of another. torch is never imported: its
+    out-of-memory errors are known by name and message.
     """
+    if isinstance(err, ConfigError):
+        return "config_error"
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -73,19 +96,55 @@ def classify(err: BaseException) -> FaultKind | None:
     return None
 
 
-def report(task_dir: str | Path, err: BaseException) -> FaultKind | None:
-    """Write ``fault.json`` for ``err`` if it is a fault of a known kind; returns the kind.
+def report(task_dir: str | Path, err: BaseException, exit_code: int = 2) -> FaultKind | None:
+    """Write ``fault.json`` for ``err``: its kind (or null), its one-line cause and the
+    ``exit_code`` the worker exits with; returns the kind. An earlier report of this attempt
+    (another rank's) is kept.
 
     Never raises: with the disk full, the file may not be written, and the exit code and the
     log still tell the controller that the member failed.
     """
 
     kind = classify(err)
-    if kind is not None:
-        with contextlib.suppress(OSError):
-            message = f"{type(err).__name__}: {err}".strip()
-            write_json_atomic(Path(task_dir) / FAULT_FILE, {"kind": kind, "error": message})
+    with contextlib.suppress(OSError):
+        message = f"{type(err).__name__}: {err}".strip()
+        record = {"kind": kind, "error": message, "cause": one_line(err), "exit_code": exit_code}
+        write_json_once(Path(task_dir) / FAULT_FILE, record)
     return kind
+
+
+def one_line(err: BaseException) -> str:
+    """``err`` as one line a person can act on: a project error's own words (a ConfigError's
+    problems joined by ``; ``), any other error's type and message."""
+    if isinstance(err, ConfigError):
+        text = "; ".join(err.problems)
+    elif isinstance(err, PbtError):
+        text = str(err)
+    else:
+        text = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """Why a member's worker failed, as it reported in ``fault.json``."""
+
+    kind: FaultKind | None
+    message: str
+    """The error in one line (:func:`one_line`)."""
+    exit_code: int | None
+    """The code the worker exited with (torchrun's agent exits 1 whatever it was)."""
+
+
+def read_cause(task_dir: str | Path) -> Cause | None:
+    """The cause the member's worker reported before exiting, or None if it reported none."""
+    fault = read_json(Path(task_dir) / FAULT_FILE)
+    if fault is None or not fault.get("cause"):
+        return None
+    kind = fault.get("kind") if fault.get("kind") in KINDS else None
+    code = fault.get("exit_code")
+    return Cause(kind, str(fault["cause"]), code if isinstance(code, int) else None)
 
 
 def read(task_dir: str | Path, log_tail: str = "") -> tuple[FaultKind, str] | None:

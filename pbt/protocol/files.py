@@ -38,6 +38,32 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
             os.close(dir_fd)
 
 
+def write_json_once(path: str | os.PathLike[str], obj: Any) -> bool:
+    """Write ``obj`` as JSON to ``path`` unless ``path`` exists; return whether it was written.
+
+    Readers see no file or the whole of it: a complete temporary file is linked into place,
+    which fails if another process linked its own first."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links: the last writer wins there
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The JSON object in ``path``; None when the file is missing, truncated or not an object."""
     try:

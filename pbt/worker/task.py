@@ -9,8 +9,10 @@ worker loads the parent checkpoint and only THEN applies the hyperparameters, so
 lands in the optimizer's param groups with Adam's moments and the schedule's position kept. It
 trains, evaluates, saves a gathered checkpoint and writes ``result.json`` (rank 0, atomically),
 heartbeating all the while. It loads and saves checkpoints only inside the campaign's
-``checkpoints`` folder. A task that fails for want of memory or disk space is reported as such
-in ``fault.json`` (:mod:`pbt.protocol.faults`) before the worker exits 2.
+``checkpoints`` folder. A task that fails says why in ``fault.json`` (:mod:`pbt.protocol.faults`):
+its one-line cause, its kind (out of memory, disk full, diverged, configuration error) and the
+exit code, before the worker exits: 2 for those and for any user error, 1 for a bug (whose
+traceback follows in the log).
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ class _Writer(threading.Thread):
                 result = finish_task(self.result, self.write)
                 write_json_atomic(self.task_dir / "result.json", result)
         except BaseException as err:
-            kind = faults.report(self.task_dir, err)
+            kind = faults.report(self.task_dir, err, exit_code=2)
             with contextlib.suppress(OSError), open(self.log, "a") as f:
                 traceback.print_exc(file=f)
                 what = kind.replace("_", " ") if kind else "writing the checkpoint failed"
@@ -279,15 +281,18 @@ class _Writer(threading.Thread):
 
 def _failed(task_dir: Path, err: BaseException) -> bool:
     """Say why the task failed, and whether that was expected: a user's error (its message
-    only) or a fault of a known kind (reported in ``fault.json``, with its traceback). Other
-    errors are bugs, left to propagate."""
-    kind = faults.report(task_dir, err)
+    only) or a fault of a known kind (with its traceback); either exits 2. Other errors are
+    bugs, left to propagate (exit 1). Each is reported in ``fault.json`` with its exit code."""
+    kind = faults.classify(err)
+    expected = kind is not None or isinstance(err, PbtError)
+    if isinstance(err, Exception):  # not an interrupt
+        faults.report(task_dir, err, exit_code=2 if expected else 1)
     if isinstance(err, PbtError):
         print(f"error: {err}", file=sys.stderr)
     elif kind is not None:
         traceback.print_exc()
         print(f"error: {kind.replace('_', ' ')}: {err}", file=sys.stderr)
-    return kind is not None or isinstance(err, PbtError)
+    return expected
 
 
 def _next_entry(
