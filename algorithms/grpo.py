@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from pbt.algorithms import losses
+from pbt.algorithms.examples import Chat
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
@@ -77,7 +78,7 @@ class GRPO(Learner):
 
     # -- one training step -----------------------------------------------------------------
 
-    def complete(self, questions: list[str], training: bool = True) -> RolloutBatch:
+    def complete(self, questions: list[Chat], training: bool = True) -> RolloutBatch:
         """Completions for ``questions``: ``group_size`` samples each when ``training``, else one
         greedy completion each. Rows are grouped by question."""
         return self.sample(
@@ -88,7 +89,7 @@ class GRPO(Learner):
 
     def sample(
         self,
-        questions: list[str],
+        questions: list[Chat],
         *,
         repeats: int = 1,
         greedy: bool = False,
@@ -131,7 +132,7 @@ class GRPO(Learner):
     def rollout(self, examples: list[Example], reward_fn: RewardFn) -> tuple[RolloutBatch, Tensor]:
         """Sample ``group_size`` completions per example and score them: ``(batch, rewards [N])``,
         the rewards shaped by the overlong penalty when ``overlong_buffer`` is set."""
-        batch = self.complete([ex.question for ex in examples])
+        batch = self.complete([ex.chat for ex in examples])
         rewards = self.score(examples, batch, reward_fn)
         algo = self.algorithm
         if algo.overlong_buffer > 0:
@@ -386,7 +387,7 @@ class GRPO(Learner):
         for call in range(calls):
             chunk = mine[call * batch_size : (call + 1) * batch_size]
             batch = self.sample(
-                [ex.question for ex in chunk or examples[:1]],
+                [ex.chat for ex in chunk or examples[:1]],
                 greedy=temperature == 0,
                 temperature=temperature or None,
             )
