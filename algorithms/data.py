@@ -365,6 +365,8 @@ def load_rows(
         check_template(cfg.prompt_template, table.column_names, where)
         if algorithm in ("SFT", "DPO"):
             _check_text(table, wanted, where)
+        if algorithm == "DPO":
+            _check_pairs(table, cfg.chosen_field, cfg.rejected_field, where)
     train, held_out = sources["task.train"], sources.get("task.eval")
     train_rows, eval_rows = split_rows(
         len(train), None if held_out is None else len(held_out), cfg, seed
@@ -393,6 +395,22 @@ def _check_text(table: datasets.Dataset, wanted: dict[str, str], where: str) -> 
     ]
     if problems:
         raise ConfigError(problems)
+
+
+def _check_pairs(table: datasets.Dataset, chosen: str, rejected: str, where: str) -> None:
+    """No DPO row prefers a response to itself (compared by Arrow, in place)."""
+    import pyarrow.compute as pc
+
+    same = pc.equal(table.data.column(chosen), table.data.column(rejected))
+    rows = np.flatnonzero(same.to_numpy(zero_copy_only=False))
+    if len(rows):
+        shown = ", ".join(str(r + 1) for r in rows[:5]) + (" ..." if len(rows) > 5 else "")
+        raise ConfigError(
+            [
+                f"{where}: {len(rows)} row(s) (row {shown}) have the same chosen and rejected "
+                "response; drop them (they state no preference)"
+            ]
+        )
 
 
 def _drop_shared(

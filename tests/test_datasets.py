@@ -158,6 +158,15 @@ def test_bad_sft_files_are_clear_errors(tmp_path, lines, expected):
         assert part in message
 
 
+def test_a_pair_that_prefers_a_response_to_itself_is_named(tmp_path):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    _write(tmp_path / "d.jsonl", [good, good, {**good, "rejected": "a"}, good])
+    with pytest.raises(
+        ConfigError, match=r"1 row\(s\) \(row 3\) have the same chosen and rejected"
+    ):
+        load_preferences(_file("d.jsonl"), tmp_path, seed=0)
+
+
 def test_a_file_in_task_name_points_to_task_train_and_unknown_formats_are_clear(tmp_path):
     with pytest.raises(ConfigError, match=r"task.name \('builtin:nope'\) is not a dataset"):
         load_sft(TaskConfig(name="builtin:nope"), tmp_path, seed=0)
