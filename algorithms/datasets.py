@@ -1,10 +1,14 @@
 """Data for supervised fine-tuning (SFT) and preference learning (DPO), and its tokenisation.
 
-A dataset is named like a task: ``builtin:letters`` (procedural, no download) or the path of a
-local JSONL file, relative to the manifest's folder, one object per line:
+The rows come from ``builtin:letters`` (procedural, no download) or from the user's own data,
+``task.train`` (and ``task.eval``), read by :mod:`pbt.algorithms.data` like an RL task's:
 
-- SFT: ``{"prompt": "...", "response": "..."}``
-- DPO: ``{"prompt": "...", "chosen": "...", "rejected": "..."}``
+- SFT: a prompt and a response per row (fields ``task.prompt_field``, ``task.response_field``)
+- DPO: a prompt, a chosen and a rejected response (``prompt_field``, ``chosen_field``,
+  ``rejected_field``)
+
+``task.prompt_template`` (over any of a row's fields) makes the user turn instead of the prompt
+field, and ``task.system_prompt`` adds a system turn.
 
 ``builtin:letters`` uses the prompts of the letters task and the same seeded split as
 :func:`pbt.algorithms.tasks.load_task`, so a model fine-tuned here and then trained with RL on
@@ -14,21 +18,22 @@ splits that into the same ``q``, ``Ġq`` x5 pattern for every letter, where an u
 into one or two letter-specific tokens. Rejected answers are a mix of other letters, which
 ``letters_reward`` scores below the chosen answer.
 
-A JSONL file is split by seed: ``eval_size`` examples are held out and training takes the rest
-(at most ``train_size``), minus any example whose prompt is also in eval, so eval measures
-held-out prompts even when a file holds several pairs per prompt.
+A file without ``task.eval`` is split by the campaign's seed (``eval_fraction`` held out, at
+most ``eval_size`` of them measured), and training drops every row whose prompt is also held
+out, so eval measures held-out prompts even when a file holds several pairs per prompt.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
+from pbt.algorithms.examples import Chat, chat_turns
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.algorithms.tasks import LETTERS, load_task
 from pbt.config import TaskConfig
@@ -37,8 +42,6 @@ from pbt.config.errors import ConfigError
 LETTERS_NAME = "builtin:letters"
 RESPONSE_LETTERS = 6
 """Letters in a ``builtin:letters`` response."""
-MAX_LINE_PROBLEMS = 5
-"""Bad lines of a JSONL file reported in one error; the rest are counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,12 @@ class SFTExample:
 
     prompt: str
     response: str
+    system: str | None = None
+
+    @property
+    def chat(self) -> Chat:
+        """What the model is prompted with."""
+        return chat_turns(self.prompt, self.system)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,12 @@ class PreferenceExample:
     prompt: str
     chosen: str
     rejected: str
+    system: str | None = None
+
+    @property
+    def chat(self) -> Chat:
+        """What the model is prompted with."""
+        return chat_turns(self.prompt, self.system)
 
 
 T = TypeVar("T", SFTExample, PreferenceExample)
@@ -63,56 +78,66 @@ T = TypeVar("T", SFTExample, PreferenceExample)
 
 @dataclass(frozen=True, slots=True)
 class Dataset(Generic[T]):
-    """Disjoint train and eval splits of one dataset."""
+    """Disjoint train and eval splits of one dataset (``train`` may be lazy: index it)."""
 
     name: str
-    train: list[T]
-    eval: list[T]
+    train: Sequence[T]
+    eval: Sequence[T]
 
 
-def load_sft(
-    name: str, base_dir: str | Path, seed: int, train_size: int, eval_size: int
-) -> Dataset[SFTExample]:
+def load_sft(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Dataset[SFTExample]:
     """Load an SFT dataset with deterministic, disjoint train and eval splits.
 
     Args:
-        name: ``builtin:letters`` or a JSONL path relative to ``base_dir``.
+        cfg: the task section: ``builtin:letters`` (the default), or ``task.train``.
         base_dir: the folder relative paths are resolved against (the manifest's).
-        seed: fixes the split (and nothing else).
-        train_size: at most this many training examples.
-        eval_size: exactly this many eval examples.
+        seed: the campaign's ``training.seed``; fixes the split (and nothing else).
 
     Raises:
-        ConfigError: unknown built-in, or a missing, unreadable, malformed or too small file.
+        ConfigError: another task name, or rows that cannot be read (see
+            :func:`pbt.algorithms.data.load_rows`).
     """
-    if name == LETTERS_NAME:
-        train, eval_ = _letters_split(seed, train_size, eval_size)
-        return Dataset(name, [_letters_sft(e) for e in train], [_letters_sft(e) for e in eval_])
-    return _load_jsonl(name, base_dir, seed, train_size, eval_size, SFTExample)
+    if cfg.train is None:
+        train, eval_ = _letters_split(cfg, seed)
+        return Dataset(
+            LETTERS_NAME, [_letters_sft(e) for e in train], [_letters_sft(e) for e in eval_]
+        )
+    return _load_rows(cfg, base_dir, seed, "SFT")
 
 
 def load_preferences(
-    name: str, base_dir: str | Path, seed: int, train_size: int, eval_size: int
+    cfg: TaskConfig, base_dir: str | Path, seed: int
 ) -> Dataset[PreferenceExample]:
     """Load a preference dataset with deterministic, disjoint train and eval splits.
 
     Arguments and errors as :func:`load_sft`.
     """
-    if name == LETTERS_NAME:
-        train, eval_ = _letters_split(seed, train_size, eval_size)
-        rng = random.Random(f"{name}:{seed}:rejected")
+    if cfg.train is None:
+        train, eval_ = _letters_split(cfg, seed)
+        rng = random.Random(f"{LETTERS_NAME}:{seed}:rejected")
         return Dataset(
-            name,
+            LETTERS_NAME,
             [_letters_preference(e, rng) for e in train],
             [_letters_preference(e, rng) for e in eval_],
         )
-    return _load_jsonl(name, base_dir, seed, train_size, eval_size, PreferenceExample)
+    return _load_rows(cfg, base_dir, seed, "DPO")
 
 
-def _letters_split(seed: int, train_size: int, eval_size: int):
+def _letters_split(cfg: TaskConfig, seed: int):
     """The letters task's own split, so SFT/DPO and RL agree on which prompts are held out."""
+    name = cfg.source
+    if name != LETTERS_NAME:
+        looks_like_file = "/" in name or name.endswith((".jsonl", ".json", ".csv", ".parquet"))
+        fix = (
+            f"your own rows go in task.train (task: {{train: {name}}})"
+            if looks_like_file
+            else (f"use {LETTERS_NAME}, or task.train for your own rows")
+        )
+        raise ConfigError([f"task.name ({name!r}) is not a dataset SFT and DPO learn from; {fix}"])
     task = load_task(
-        TaskConfig(name=LETTERS_NAME, train_size=train_size, eval_size=eval_size), ".", seed
+        TaskConfig(name=LETTERS_NAME, train_size=cfg.builtin_train_size, eval_size=cfg.eval_size),
+        ".",
+        seed,
     )
     return task.train, task.eval
 
@@ -137,95 +162,34 @@ def _letters_preference(example, rng: random.Random) -> PreferenceExample:
     return PreferenceExample(example.question, _letter_run(example.answer), rejected)
 
 
-def _load_jsonl(
-    name: str, base_dir: str | Path, seed: int, train_size: int, eval_size: int, kind: type[T]
-) -> Dataset[T]:
-    if name.startswith("builtin:"):
-        raise ConfigError(
-            [
-                f"task.name ({name!r}) is not a built-in dataset; use {LETTERS_NAME} or the "
-                "path of a .jsonl file"
-            ]
-        )
-    path = (Path(base_dir) / name).resolve()
-    examples = _parse_jsonl(name, path, kind)
-    rng = random.Random(f"{name}:{seed}")
-    rng.shuffle(examples)
-    eval_ = examples[:eval_size]
-    held_out = {e.prompt for e in eval_}
-    train = [e for e in examples[eval_size:] if e.prompt not in held_out][:train_size]
-    if len(eval_) < eval_size or not train:
-        raise ConfigError(
-            [
-                f"task.eval_size ({eval_size}) leaves no training examples: task.name "
-                f"({name!r}) holds {len(examples)} examples in {path} ({len(held_out)} distinct "
-                "prompts held out for eval, with every example that shares one); lower "
-                "eval_size or add examples"
-            ]
-        )
-    return Dataset(name, train, eval_)
+def _load_rows(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: str) -> Dataset:
+    """The user's rows through :func:`pbt.algorithms.data.load_rows`."""
+    from pbt.algorithms.data import load_rows, user_turn
 
+    template = user_turn(cfg, cfg.prompt_field)
+    prompt, system = cfg.prompt_field, cfg.system_prompt
 
-def _parse_jsonl(name: str, path: Path, kind: type[T]) -> list[T]:
-    """Every example of the file, in order; all bad lines reported together."""
-    where = f"task.name ({name!r})"
-    if not path.is_file():
-        raise ConfigError([f"{where} is not a file: nothing at {path}; check the path"])
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(
-            [f"{where}: {path} could not be read ({err}); make it a readable UTF-8 file"]
-        ) from None
-    keys = [f.name for f in fields(kind)]
-    examples: list[T] = []
-    problems: list[str] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        record, problem = _parse_line(line, keys, kind)
-        if problem is None:
-            examples.append(record)
-        else:
-            problems.append(f"{where}: line {number} of {path} {problem}")
-    if problems:
-        extra = len(problems) - MAX_LINE_PROBLEMS
-        more = [f"... and {extra} more bad lines in {path}"] if extra > 0 else []
-        raise ConfigError(problems[:MAX_LINE_PROBLEMS] + more)
-    if not examples:
-        raise ConfigError(
-            [f"{where}: {path} holds no examples; write one JSON object per line: {_shape(keys)}"]
-        )
-    return examples
+    def user(row: dict[str, Any]) -> str:
+        made = template(row)
+        return row[prompt] if made is None else made
 
+    if algorithm == "SFT":
+        response = cfg.response_field
 
-def _parse_line(line: str, keys: list[str], kind: type[T]) -> tuple[T | None, str | None]:
-    """``(example, None)`` for a good line, else ``(None, what is wrong and the fix)``."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        return None, f"is not valid JSON ({err.msg} at column {err.colno}); fix the line"
-    if not isinstance(record, dict):
-        return None, f"is a JSON {type(record).__name__}, not an object; write {_shape(keys)}"
-    missing = [k for k in keys if k not in record]
-    extra = sorted(set(record) - set(keys))
-    if missing or extra:
-        wrong = [f"missing {missing}"] * bool(missing) + [f"unknown {extra}"] * bool(extra)
-        return None, f"has the wrong keys ({'; '.join(wrong)}); each line must be {_shape(keys)}"
-    not_str = [k for k in keys if not isinstance(record[k], str)]
-    if not_str:
-        return None, f"has non-string values for {not_str}; quote them as JSON strings"
-    if kind is PreferenceExample and record["chosen"] == record["rejected"]:
-        return None, "has identical chosen and rejected; drop the pair (it states no preference)"
-    return kind(**record), None
+        def convert(row: dict[str, Any]):
+            return SFTExample(user(row), row[response], system)
+    else:
+        chosen, rejected = cfg.chosen_field, cfg.rejected_field
 
+        def convert(row: dict[str, Any]):
+            return PreferenceExample(user(row), row[chosen], row[rejected], system)
 
-def _shape(keys: list[str]) -> str:
-    return "{" + ", ".join(f'"{k}": "..."' for k in keys) + "}"
+    train, eval_ = load_rows(cfg, base_dir, seed, algorithm, convert)
+    return Dataset(cfg.source, train, eval_)
 
 
 def encode_pairs(
-    tokenizer, prompts: list[str], responses: list[str], max_tokens: int
+    tokenizer, prompts: Sequence[Chat], responses: list[str], max_tokens: int
 ) -> RolloutBatch:
     """Tokenise prompts and given responses into the layout of a sampled rollout.
 
@@ -234,7 +198,8 @@ def encode_pairs(
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template and a pad token.
-        prompts: ``N`` user turns; chat-templated by :func:`rollout.chat_prompts`.
+        prompts: ``N`` user turns (or lists of turns); chat-templated by
+            :func:`rollout.chat_prompts`.
         responses: ``N`` responses. Tokenised without special tokens (a literal
             ``<|im_end|>`` in the text stays text), cut to ``max_tokens - 1`` tokens and
             followed by the EOS token.

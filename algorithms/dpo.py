@@ -32,7 +32,7 @@ class DPO(Learner):
 
     def encode(self, examples: list[PreferenceExample]) -> RolloutBatch:
         """Chosen rows first, then rejected rows, in one batch (one forward pass for both)."""
-        prompts = [ex.prompt for ex in examples]
+        prompts = [ex.chat for ex in examples]
         limit = self.rollout_cfg.max_output_tokens
         chosen = encode_pairs(self.tokenizer, prompts, [ex.chosen for ex in examples], limit)
         rejected = encode_pairs(self.tokenizer, prompts, [ex.rejected for ex in examples], limit)

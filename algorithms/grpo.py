@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from pbt.algorithms import losses
+from pbt.algorithms.examples import Chat
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
@@ -78,7 +79,7 @@ class GRPO(Learner):
 
     # -- one training step -----------------------------------------------------------------
 
-    def complete(self, questions: list[str], training: bool = True) -> RolloutBatch:
+    def complete(self, questions: list[Chat], training: bool = True) -> RolloutBatch:
         """Completions for ``questions``: ``group_size`` samples each when ``training``, else one
         greedy completion each. Rows are grouped by question."""
         return self.sample(
@@ -89,7 +90,7 @@ class GRPO(Learner):
 
     def sample(
         self,
-        questions: list[str],
+        questions: list[Chat],
         *,
         repeats: int = 1,
         greedy: bool = False,
@@ -145,7 +146,7 @@ class GRPO(Learner):
         self, examples: list[Example], reward: Reward
     ) -> tuple[RolloutBatch, Tensor, Tensor]:
         """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too."""
-        batch = self.complete([ex.question for ex in examples])
+        batch = self.complete([ex.chat for ex in examples])
         rewards, terms = self.score_terms(examples, batch, reward)
         algo = self.algorithm
         if algo.overlong_buffer > 0:
@@ -405,7 +406,7 @@ class GRPO(Learner):
         for call in range(calls):
             chunk = mine[call * batch_size : (call + 1) * batch_size]
             batch = self.sample(
-                [ex.question for ex in chunk or examples[:1]],
+                [ex.chat for ex in chunk or examples[:1]],
                 greedy=temperature == 0,
                 temperature=temperature or None,
             )

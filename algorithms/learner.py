@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, ClassVar
 
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from pbt.algorithms.data_order import EpochOrder
 from pbt.config import (
     MUTABLE_BY_ALGORITHM,
     MUTABLE_HYPERPARAMETERS,
@@ -56,8 +57,9 @@ class Learner:
         tokenizer: the matching tokenizer, with a chat template and a pad token.
         algorithm, optim, rollout: the component configs (copied; mutations change the copies).
         total_steps: training steps planned, for the learning-rate schedule.
-        seed: seeds the learner's generator (example order and mini-batch shuffles); the same
-            on every rank, so all ranks draw the same global batch and take their own share.
+        seed: seeds the learner's generator (mini-batch shuffles) and its data position (the
+            order training rows are read in); the same on every rank, so all ranks draw the
+            same global batch and take their own share.
         fsdp: the sharding options when ``model`` is sharded with FSDP2, else None.
     """
 
@@ -84,6 +86,8 @@ class Learner:
         self.total_steps = total_steps
         self.step = 0
         self.generator = torch.Generator().manual_seed(seed)
+        self.data = EpochOrder(seed)
+        """The data position: which training rows the next steps read (checkpointed)."""
         world = world_info()
         self.rank, self.world_size = world.rank, world.world_size
         self.device = next(model.parameters()).device
@@ -138,14 +142,15 @@ class Learner:
         if problems:
             raise ConfigError(problems)
 
-    def sample_prompts(self, train: list) -> list:
-        """This rank's share of ``prompts_per_step`` distinct training examples.
+    def sample_prompts(self, train: Sequence) -> list:
+        """This rank's share of the next ``prompts_per_step`` training examples.
 
-        Every rank draws the same global list from the shared generator and keeps a contiguous
-        slice, so the global batch does not depend on the world size.
+        Rows are read epoch by epoch (every row once an epoch, see :class:`EpochOrder`). Every
+        rank draws the same global list from the data position and keeps a contiguous slice,
+        so the global batch does not depend on the world size.
         """
         count = min(self.algorithm.prompts_per_step, len(train))
-        order = torch.randperm(len(train), generator=self.generator)[:count].tolist()
+        order = self.data.take(len(train), count)
         share = count // self.world_size
         return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
 
@@ -341,7 +346,7 @@ class Learner:
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer (gathered, by parameter name), scheduler, step and generator.
+        """Optimizer (gathered, by parameter name), scheduler, step, generator and data position.
 
         A collective under FSDP: every rank calls it.
         """
@@ -353,6 +358,7 @@ class Learner:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "generator": self.generator.get_state(),
+            "data": self.data.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,6 +368,8 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
+        if "data" in state:  # checkpoints older than the data position start a fresh epoch
+            self.data.load_state_dict(state["data"])
         self.adapter_stale = True
 
 

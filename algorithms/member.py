@@ -295,14 +295,15 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 def load_data(manifest: Manifest) -> Task:
     """What the algorithm learns from: prompts with a reward (GRPO, REINFORCE), prompt/response
-    pairs (SFT) or preference pairs (DPO), split into train and held-out eval."""
+    pairs (SFT) or preference pairs (DPO), split into train and held-out eval by the campaign's
+    ``training.seed`` (the same split for every member)."""
     cfg, seed = manifest.task, manifest.training.seed
     if manifest.algorithm.name in RL_ALGORITHMS:
         return load_task(cfg, manifest.base_dir, seed)
     from pbt.algorithms.datasets import load_preferences, load_sft
 
     load = load_sft if manifest.algorithm.name == "SFT" else load_preferences
-    data = load(cfg.source, manifest.base_dir, seed, cfg.builtin_train_size, cfg.eval_size)
+    data = load(cfg, manifest.base_dir, seed)
     return Task(data.name, data.train, data.eval, reward=None)
 
 

@@ -232,15 +232,23 @@ def _one_line(err: BaseException) -> str:
 # -- building a task's reward ----------------------------------------------------------------
 
 
-def build_reward(cfg: TaskConfig, base_dir: str | Path, default: RewardTerm) -> Reward:
+def build_reward(cfg: TaskConfig, base_dir: str | Path, default: RewardTerm | None) -> Reward:
     """The task's reward: the user's ``task.reward`` or ``task.rewards`` when given, else the
     task's own ``default``; calls limited to ``task.reward_timeout_s``.
 
     Raises:
-        ConfigError: a reward file or function that cannot be loaded.
+        ConfigError: a reward file or function that cannot be loaded, or no reward at all (no
+            user reward and no ``default``).
     """
     refs = cfg.reward_refs()
     if not refs:
+        if default is None:
+            raise ConfigError(
+                [
+                    f"task ({cfg.source!r}) has no reward: add task.reward ({{file: rewards.py, "
+                    "function: my_reward}) or task.rewards"
+                ]
+            )
         return Reward([default], cfg.reward_timeout_s)
     keys = (
         ["task.reward"]

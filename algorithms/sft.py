@@ -33,7 +33,7 @@ class SFT(Learner):
     def encode(self, examples: list[SFTExample]) -> RolloutBatch:
         batch = encode_pairs(
             self.tokenizer,
-            [ex.prompt for ex in examples],
+            [ex.chat for ex in examples],
             [ex.response for ex in examples],
             self.rollout_cfg.max_output_tokens,
         )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pbt.algorithms.examples import Chat
 from pbt.algorithms.member import (
     Host,
     Member,
@@ -77,6 +78,7 @@ class SharedBase:
         self._store_active()
         member = Member(self.manifest, self.host.device, member_id, host=self.host)
         member.learner.generator.manual_seed(seed)
+        member.learner.data.restart(seed)
         self.members[member_id] = member
         self._weights[member_id] = [t.clone() for t in self._initial]
         self._rng[member_id] = _seeded_rng(seed + self.world.rank)
@@ -152,7 +154,7 @@ class SharedBase:
     # -- rollouts -------------------------------------------------------------------------
 
     def complete_all(
-        self, questions: dict[str, list[str]], training: bool = True
+        self, questions: dict[str, list[Chat]], training: bool = True
     ) -> dict[str, RolloutBatch]:
         """Completions for several members at once: ``group_size`` samples per question when
         ``training``, else one greedy completion, each from its own member's adapter.
@@ -232,3 +234,4 @@ def _copy_learner(source, target) -> None:
         dst.update({k: _clone_value(v) for k, v in src.items() if k != "params"})
     target.scheduler.load_state_dict(source.scheduler.state_dict())
     target.step = source.step
+    target.data.load_state_dict(source.data.state_dict())

@@ -1,20 +1,25 @@
 """Tasks: prompts with answers, split into train and held-out eval, and their rewards.
 
+Rows come from one of three sources, dispatched by :func:`load_task`: the user's own files
+(``task.train``, read by :mod:`pbt.algorithms.data`), a built-in procedural task, or a
+reasoning-gym dataset (``task.name: reasoning_gym:<dataset>``).
+
 A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) -> float``
-(see :mod:`pbt.algorithms.rewards`). Built-in tasks are procedural (no downloads) and deterministic
-for a seed, one module each under :mod:`pbt.algorithms.builtin`: ``builtin:letters``,
-``builtin:arithmetic`` and ``builtin:addition`` (a fixed held-out split, and a warm-started model
-that learns it on a CPU).
+(see :mod:`pbt.algorithms.rewards`, which also sums several weighted ones).
+Built-in tasks are procedural (no downloads) and deterministic for a seed, one module each
+under :mod:`pbt.algorithms.builtin`: ``builtin:letters``, ``builtin:arithmetic`` and
+``builtin:addition`` (a fixed held-out split, and a warm-started model that learns it on a CPU).
 
 A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``
 (or several weighted ones in ``task.rewards``), loaded only from the file the manifest names.
-``reasoning_gym:<dataset>`` names a dataset of reasoning-gym (:mod:`pbt.algorithms.reasoning_gym`).
+A reasoning-gym dataset brings its own scorer (:mod:`pbt.algorithms.reasoning_gym`).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pbt.algorithms.builtin.addition import ADDITION_TASK, addition_split
@@ -25,6 +30,7 @@ from pbt.algorithms.builtin.letters import (
     letters_problems,
     letters_reward,
 )
+from pbt.algorithms.examples import Example
 from pbt.algorithms.reasoning_gym import reasoning_gym_split
 from pbt.algorithms.rewards import Reward, RewardFn, RewardTerm, build_reward
 from pbt.config import TaskConfig
@@ -33,35 +39,88 @@ from pbt.config.task import REASONING_GYM_PREFIX
 
 
 @dataclass(frozen=True, slots=True)
-class Example:
-    """One prompt and the answer its reward is judged against."""
-
-    question: str
-    answer: str
-
-
-@dataclass(frozen=True, slots=True)
 class Task:
     """A task ready to train on: disjoint train and eval splits plus the reward (None for SFT
-    and DPO)."""
+    and DPO).
+
+    ``train`` may be a lazy sequence over memory-mapped rows (see
+    :class:`pbt.algorithms.data.Rows`): index it, never copy it whole.
+    """
 
     name: str
-    train: list[Example]
-    eval: list[Example]
+    train: Sequence[Example]
+    eval: Sequence[Example]
     reward: Reward | None
 
 
 def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
-    """Build the task named in ``cfg`` with deterministic, disjoint train and eval splits.
+    """Build the task ``cfg`` names with deterministic, disjoint train and eval splits.
+
+    Args:
+        cfg: the task section.
+        base_dir: the manifest's folder (data and reward paths are relative to it).
+        seed: the campaign's ``training.seed``: the split is the same for every member.
 
     Raises:
-        ConfigError: unknown task, too few distinct prompts, or a bad reward reference.
+        ConfigError: unknown task, too few distinct prompts, unreadable rows, or a bad reward
+            reference.
     """
+    if cfg.train is not None:
+        return _file_task(cfg, base_dir, seed)
+    if cfg.source.startswith(REASONING_GYM_PREFIX):
+        task = _reasoning_gym_task(cfg, base_dir, seed)
+    else:
+        task = _builtin_task(cfg, base_dir, seed)
+    if cfg.system_prompt is None and cfg.prompt_template is None:
+        return task
+    return replace(task, train=_dress(task.train, cfg), eval=_dress(task.eval, cfg))
+
+
+def _file_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
+    """The user's rows (``task.train``, ``task.eval``) with the user's reward."""
+    if not cfg.reward_refs():
+        raise ConfigError(
+            [
+                f"task.train ({cfg.train!r}) has no reward: your own rows need task.reward "
+                "({file: rewards.py, function: my_reward}) or task.rewards; add one"
+            ]
+        )
+    from pbt.algorithms.data import load_rows, rl_example
+
+    train, eval_ = load_rows(cfg, base_dir, seed, "GRPO", rl_example(cfg))
+    return Task(cfg.source, train, eval_, build_reward(cfg, base_dir, None))
+
+
+def _reasoning_gym_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
+    """A reasoning-gym dataset, ``task.name: reasoning_gym:<dataset>``."""
+    train, held_out, own = reasoning_gym_split(cfg, seed)
+    rows = [[Example(q, a) for q, a in split] for split in (train, held_out)]
+    return Task(cfg.source, *rows, build_reward(cfg, base_dir, own))
+
+
+def _dress(examples: Sequence[Example], cfg: TaskConfig) -> list[Example]:
+    """Built-in or reasoning-gym rows with the manifest's system prompt and prompt template (over
+    the fields ``question`` and ``answer``)."""
+    from pbt.algorithms.data import check_template
+
+    fields = ["question", "answer"]
+    check_template(cfg.prompt_template, fields, f"task.name ({cfg.source!r})")
+    template = cfg.prompt_template
+    return [
+        replace(
+            ex,
+            prompt=None
+            if template is None
+            else template.format(question=ex.question, answer=ex.answer),
+            system=cfg.system_prompt,
+        )
+        for ex in examples
+    ]
+
+
+def _builtin_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
+    """A built-in procedural task, seeded by ``seed``."""
     name = cfg.source
-    if name.startswith(REASONING_GYM_PREFIX):
-        train, held_out, own = reasoning_gym_split(cfg, seed)
-        rows = [[Example(q, a) for q, a in split] for split in (train, held_out)]
-        return Task(name, *rows, build_reward(cfg, base_dir, own))
     if name == ADDITION_TASK:
         return _addition_task(cfg, base_dir)
     rng = random.Random(f"{name}:{seed}")

@@ -131,8 +131,8 @@ CASES: dict[str, tuple[dict, str, str, str]] = {
         {"task": {"name": "builtin:nope"}}, "task.name", "'builtin:nope'", "builtin:letters",
     ),
     "missing dataset": (
-        {"algorithm": {"name": "SFT"}, "task": {"name": "data/missing.jsonl"}},
-        "task.name", "'data/missing.jsonl'", "JSONL path relative to the manifest's folder",
+        {"algorithm": {"name": "SFT"}, "task": {"name": None, "train": "data/missing.jsonl"}},
+        "task.train", "'data/missing.jsonl'", "relative to the manifest's folder",
     ),
     "missing reward file": (
         {"task": {"reward": {"file": "missing.py", "function": "f"}}},

@@ -40,34 +40,38 @@ def _letter_of(prompt: str) -> str:
     raise AssertionError(f"not a letters prompt: {prompt!r}")
 
 
+def _letters(train_size: int, eval_size: int) -> TaskConfig:
+    return TaskConfig(train_size=train_size, eval_size=eval_size)
+
+
 @pytest.mark.parametrize("loader", [load_sft, load_preferences])
 def test_letters_splits_are_sized_disjoint_and_deterministic(loader):
-    data = loader("builtin:letters", ".", seed=3, train_size=100, eval_size=20)
+    data = loader(_letters(100, 20), ".", seed=3)
     assert (len(data.train), len(data.eval)) == (100, 20)
     assert not {e.prompt for e in data.train} & {e.prompt for e in data.eval}
-    again = loader("builtin:letters", ".", seed=3, train_size=100, eval_size=20)
+    again = loader(_letters(100, 20), ".", seed=3)
     assert again == data
-    other = loader("builtin:letters", ".", seed=4, train_size=100, eval_size=20)
+    other = loader(_letters(100, 20), ".", seed=4)
     assert other.eval != data.eval
 
 
 def test_letters_holds_out_the_same_prompts_as_the_rl_task():
-    data = load_sft("builtin:letters", ".", seed=5, train_size=150, eval_size=30)
+    data = load_sft(_letters(150, 30), ".", seed=5)
     task = load_task(TaskConfig(train_size=150, eval_size=30), ".", seed=5)
     assert [e.prompt for e in data.eval] == [e.question for e in task.eval]
 
 
 def test_letters_sft_responses_are_short_runs_of_the_requested_letter():
-    data = load_sft("builtin:letters", ".", seed=0, train_size=50, eval_size=10)
-    for ex in data.train + data.eval:
+    data = load_sft(_letters(50, 10), ".", seed=0)
+    for ex in [*data.train, *data.eval]:
         letter = _letter_of(ex.prompt)
         assert ex.response.split() == [letter] * 6
         assert letters_reward(ex.response, letter, ex.prompt) == 1.0
 
 
 def test_letters_preferences_rank_the_requested_letter_first():
-    data = load_preferences("builtin:letters", ".", seed=0, train_size=150, eval_size=50)
-    for ex in data.train + data.eval:
+    data = load_preferences(_letters(150, 50), ".", seed=0)
+    for ex in [*data.train, *data.eval]:
         letter = _letter_of(ex.prompt)
         assert ex.chosen.split() == [letter] * 6 and ex.chosen != ex.rejected
         assert letter not in ex.rejected.split()
@@ -75,84 +79,102 @@ def test_letters_preferences_rank_the_requested_letter_first():
         assert len(set(ex.rejected.split())) > 1  # a mix of letters, not another run
 
 
-# --- JSONL files ----------------------------------------------------------------------------
+# --- the user's files -----------------------------------------------------------------------
 
 
 def _write(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
 
 
+def _file(train: str, **keys) -> TaskConfig:
+    return TaskConfig(train=train, **{"eval_fraction": 0.3, "eval_size": 64, **keys})
+
+
 def test_jsonl_sft_file_is_split_by_seed(tmp_path):
     rows = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(10)]
     _write(tmp_path / "sft.jsonl", [*rows[:5], "", *rows[5:]])  # a blank line is skipped
-    data = load_sft("sft.jsonl", tmp_path, seed=1, train_size=100, eval_size=3)
+    data = load_sft(_file("sft.jsonl"), tmp_path, seed=1)
     assert len(data.eval) == 3 and len(data.train) == 7
-    assert sorted(data.train + data.eval, key=lambda e: int(e.prompt[1:])) == [
+    assert sorted([*data.train, *data.eval], key=lambda e: int(e.prompt[1:])) == [
         SFTExample(**r) for r in rows
     ]
-    assert load_sft("sft.jsonl", tmp_path, seed=1, train_size=100, eval_size=3) == data
-    assert load_sft("sft.jsonl", tmp_path, seed=2, train_size=100, eval_size=3).eval != data.eval
-    assert len(load_sft("sft.jsonl", tmp_path, seed=1, train_size=4, eval_size=3).train) == 4
+    assert load_sft(_file("sft.jsonl"), tmp_path, seed=1) == data
+    assert load_sft(_file("sft.jsonl"), tmp_path, seed=2).eval != data.eval
+    assert len(load_sft(_file("sft.jsonl", train_size=4), tmp_path, seed=1).train) == 4
+    assert len(load_sft(_file("sft.jsonl", eval_size=2), tmp_path, seed=1).eval) == 2
 
 
 def test_jsonl_preferences_keep_every_pair_of_an_eval_prompt_out_of_train(tmp_path):
     rows = [{"prompt": f"p{i // 2}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(12)]
     _write(tmp_path / "dpo.jsonl", rows)
-    data = load_preferences("dpo.jsonl", tmp_path, seed=0, train_size=100, eval_size=3)
+    data = load_preferences(_file("dpo.jsonl", eval_fraction=0.25), tmp_path, seed=0)
     assert len(data.eval) == 3
-    assert all(isinstance(e, PreferenceExample) for e in data.train + data.eval)
+    assert all(isinstance(e, PreferenceExample) for e in [*data.train, *data.eval])
     held_out = {e.prompt for e in data.eval}
     assert not {e.prompt for e in data.train} & held_out
-    dropped = [r for r in rows if PreferenceExample(**r) not in data.train + data.eval]
+    kept = [*data.train, *data.eval]
+    dropped = [r for r in rows if PreferenceExample(**r) not in kept]
     assert dropped and all(r["prompt"] in held_out for r in dropped)
+
+
+def test_field_names_template_and_system_prompt_are_the_manifests(tmp_path):
+    rows = [{"q": f"p{i}", "good": f"c{i}", "bad": f"r{i}", "topic": "t"} for i in range(6)]
+    _write(tmp_path / "dpo.jsonl", rows)
+    cfg = _file(
+        "dpo.jsonl",
+        chosen_field="good",
+        rejected_field="bad",
+        prompt_template="{topic}: {q}",
+        system_prompt="Be brief.",
+    )
+    data = load_preferences(cfg, tmp_path, seed=0)
+    first = min([*data.train, *data.eval], key=lambda e: e.chosen)
+    assert first == PreferenceExample("t: p0", "c0", "r0", "Be brief.")
+    assert first.chat[0] == {"role": "system", "content": "Be brief."}
 
 
 SFT_ROW = {"prompt": "p", "response": "r"}
 
 
 @pytest.mark.parametrize(
-    ("lines", "eval_size", "expected"),
+    ("lines", "expected"),
     [
-        (None, 1, ["not a file", "check the path"]),
-        ([], 1, ["holds no examples", "one JSON object per line"]),
-        ([SFT_ROW, "{oops"], 1, ["line 2 of", "not valid JSON", "fix the line"]),
-        ([SFT_ROW, "[1, 2]"], 1, ["line 2 of", "not an object", '{"prompt"']),
-        ([{"prompt": "p"}], 1, ["line 1 of", "missing ['response']", "must be"]),
-        ([{**SFT_ROW, "score": "1"}], 1, ["line 1 of", "unknown ['score']", "must be"]),
-        ([SFT_ROW, {"prompt": "p", "response": 3}], 1, ["line 2 of", "['response']", "quote"]),
-        ([SFT_ROW, SFT_ROW], 2, ["task.eval_size (2)", "holds 2 examples", "lower eval_size"]),
+        (None, ["not found", "relative to the manifest's folder"]),
+        ([], ["holds no rows", "add rows"]),
+        ([SFT_ROW, "{oops"], ["line 2 of", "not valid JSON", "fix the line"]),
+        ([SFT_ROW, "[1, 2]"], ["line 2 of", "not an object", "one object per line"]),
+        ([{"prompt": "p"}], ["task.response_field ('response')", "have: prompt"]),
+        ([SFT_ROW, {"prompt": "p", "response": 3}], ["task.response_field", "quote"]),
     ],
 )
-def test_bad_sft_files_are_clear_errors(tmp_path, lines, eval_size, expected):
+def test_bad_sft_files_are_clear_errors(tmp_path, lines, expected):
     if lines is not None:
         _write(tmp_path / "d.jsonl", lines)
     with pytest.raises(ConfigError) as err:
-        load_sft("d.jsonl", tmp_path, seed=0, train_size=10, eval_size=eval_size)
+        load_sft(_file("d.jsonl"), tmp_path, seed=0)
     message = str(err.value)
-    assert "task.name ('d.jsonl')" in message and str(tmp_path / "d.jsonl") in message
+    assert "task.train ('d.jsonl')" in message
     for part in expected:
         assert part in message
 
 
-def test_bad_preference_lines_are_all_reported_together(tmp_path):
+def test_a_pair_that_prefers_a_response_to_itself_is_named(tmp_path):
     good = {"prompt": "p", "chosen": "a", "rejected": "b"}
-    lines = [good, {"prompt": "p", "chosen": "a"}, {**good, "rejected": "a"}, good]
-    _write(tmp_path / "d.jsonl", lines + ["nope"] * 6)
-    with pytest.raises(ConfigError) as err:
-        load_preferences("d.jsonl", tmp_path, seed=0, train_size=10, eval_size=1)
-    problems = err.value.problems
-    assert "line 2 of" in problems[0] and "missing ['rejected']" in problems[0]
-    assert "line 3 of" in problems[1] and "identical chosen and rejected" in problems[1]
-    assert "line 5 of" in problems[2] and "not valid JSON" in problems[2]
-    assert problems[-1].startswith("... and 3 more bad lines")
+    _write(tmp_path / "d.jsonl", [good, good, {**good, "rejected": "a"}, good])
+    with pytest.raises(
+        ConfigError, match=r"1 row\(s\) \(row 3\) have the same chosen and rejected"
+    ):
+        load_preferences(_file("d.jsonl"), tmp_path, seed=0)
 
 
-def test_unknown_builtin_and_unreadable_file_are_clear_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"task.name \('builtin:nope'\) is not a built-in"):
-        load_sft("builtin:nope", tmp_path, seed=0, train_size=1, eval_size=1)
-    (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "\xff"}\n')
-    with pytest.raises(ConfigError, match=r"could not be read .* readable UTF-8"):
-        load_sft("d.jsonl", tmp_path, seed=0, train_size=1, eval_size=1)
+def test_a_file_in_task_name_points_to_task_train_and_unknown_formats_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match=r"task.name \('builtin:nope'\) is not a dataset"):
+        load_sft(TaskConfig(name="builtin:nope"), tmp_path, seed=0)
+    with pytest.raises(ConfigError, match=r"your own rows go in task.train"):
+        load_sft(TaskConfig(name="d.jsonl"), tmp_path, seed=0)
+    (tmp_path / "d.txt").write_text("p\tr\n")
+    with pytest.raises(ConfigError, match=r"extension '.txt', which is not read; use .jsonl"):
+        load_sft(_file("d.txt"), tmp_path, seed=0)
 
 
 # --- encode_pairs ---------------------------------------------------------------------------

@@ -10,11 +10,13 @@ exactly the tokens the sampler saw.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from pbt.algorithms.examples import Chat, as_messages
 from pbt.algorithms.losses import token_logprobs
 from pbt.algorithms.models import mixed_precision
 from pbt.config import RolloutConfig
@@ -80,12 +82,11 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     )
 
 
-def chat_prompts(tokenizer, questions: list[str]) -> list[str]:
-    """Wrap each question as a single user turn, ready for the assistant's reply."""
+def chat_prompts(tokenizer, questions: Sequence[Chat]) -> list[str]:
+    """Each prompt through the chat template, ready for the assistant's reply: a plain string
+    as a single user turn, a list of turns (a system prompt first) as they are."""
     return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-        )
+        tokenizer.apply_chat_template(as_messages(q), tokenize=False, add_generation_prompt=True)
         for q in questions
     ]
 
@@ -94,7 +95,7 @@ def chat_prompts(tokenizer, questions: list[str]) -> list[str]:
 def generate(
     model,
     tokenizer,
-    questions: list[str],
+    questions: Sequence[Chat],
     cfg: RolloutConfig,
     *,
     repeats: int = 1,

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from pbt.algorithms.checkpoint import POLICY_ADAPTER, adapter_config, peft_key
+from pbt.algorithms.examples import Chat
 from pbt.algorithms.models import resolve_dtype
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.config import VLLM_FIELDS, Manifest
@@ -61,7 +62,8 @@ class Request:
 
     learner: Learner
     """Its ``adapter_name`` picks the LoRA; its adapter must be loaded (:meth:`VLLMRollout.sync`)."""
-    questions: list[str]
+    questions: list[Chat]
+    """Prompts: user turns, or lists of turns (see :func:`~pbt.algorithms.rollout.hf.chat_prompts`)."""
     repeats: int = 1
     greedy: bool = False
     temperature: float | None = None

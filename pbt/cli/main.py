@@ -28,7 +28,7 @@ from pbt import __version__
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
-from pbt.config.errors import PbtError
+from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
@@ -39,6 +39,8 @@ from pbt.worker.train import default_manifest_path
 
 def _check(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
+    if manifest.task.train is not None:
+        _check_rows(manifest)
     print(json.dumps(dataclasses.asdict(manifest), indent=2))
     _print_notes(manifest)
     print(f"{args.manifest}: valid", file=sys.stderr)
@@ -49,6 +51,20 @@ def _print_notes(manifest: Manifest) -> None:
     """What the user should know that is not a problem, one ``note:`` line each (stderr)."""
     for note in manifest.notes():
         print(f"note: {note}", file=sys.stderr)
+
+
+def _check_rows(manifest: Manifest) -> None:
+    """The first rows of the task's files hold the fields the manifest names (``datasets`` is
+    imported only for a manifest with files of its own).
+
+    Raises:
+        ConfigError: every problem found, together.
+    """
+    from pbt.algorithms.data import check_rows
+
+    problems = check_rows(manifest.task, manifest.base_dir, manifest.algorithm.name)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _train(args: argparse.Namespace) -> int:

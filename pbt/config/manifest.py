@@ -23,7 +23,7 @@ from pbt.config.campaign import (
 )
 from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
 from pbt.config.rollout import RolloutConfig
-from pbt.config.task import BUILTIN_TASKS, REASONING_GYM_PREFIX, TaskConfig
+from pbt.config.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
 
 
@@ -98,19 +98,29 @@ class Manifest:
 
     def _check_files(self) -> list[str]:
         """The task's data and reward files exist where the manifest says, and each reward
-        function is defined in its file (read, never run, here)."""
+        function is defined in its file (read, never run, here). That the rows hold the named
+        fields is checked by ``pbt check``, which reads them."""
         problems: list[str] = []
         task, base = self.task, Path(self.base_dir)
         name = task.name
         rl = self.algorithm.name in RL_ALGORITHMS
-        if task.train is None and name is not None and rl:
-            if not (name in BUILTIN_TASKS or name.startswith(REASONING_GYM_PREFIX)):
+        if task.train is None and name is not None:
+            known = BUILTIN_TASKS if rl else ("builtin:letters",)
+            if not (name in known or (rl and name.startswith(REASONING_GYM_PREFIX))):
                 problems.append(self._unknown_task(name, rl))
-        elif not rl and name not in (None, "builtin:letters") and not (base / name).is_file():
+        for key in ("train", "eval"):
+            source = getattr(task, key)
+            if source is None or source.startswith(HUB_PREFIX) or "\0" in source or not source:
+                continue
+            if not (base / source).exists():
+                problems.append(
+                    f"task.{key} ({source!r}) not found: nothing at {base / source}; give a file "
+                    "or folder relative to the manifest's folder"
+                )
+        if task.train is not None and rl and not task.reward_refs():
             problems.append(
-                f"task.name ({name!r}) is neither builtin:letters nor a file: "
-                f"{base / name} does not exist; give a JSONL path relative to the "
-                "manifest's folder"
+                f"task.train ({task.train!r}) has no reward: your own rows need task.reward "
+                "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             )
         for i, ref in enumerate(task.reward_refs()):
             where = "task.reward" if task.reward is not None else f"task.rewards[{i}]"
@@ -119,15 +129,15 @@ class Manifest:
         return problems
 
     def _unknown_task(self, name: str, rl: bool) -> str:
-        if not rl:
-            return (
-                f"task.name ({name!r}) is not a dataset {self.algorithm.name} can learn from; "
-                "use builtin:letters, or task.train for your own file"
-            )
         if "/" in name or name.endswith((".jsonl", ".json", ".csv", ".parquet")):
             return (
                 f"task.name ({name!r}) looks like a file; your own rows go in task.train "
                 f"(task: {{train: {name}}})"
+            )
+        if not rl:
+            return (
+                f"task.name ({name!r}) is not a dataset {self.algorithm.name} can learn from; "
+                "use builtin:letters, or task.train for your own file"
             )
         return (
             f"task.name ({name!r}) is not a known task; use {', '.join(BUILTIN_TASKS)}, "

@@ -114,7 +114,7 @@ class Agent:
         """Completions for ``prompts``: ``group_size`` samples each when ``training``, else one
         greedy completion each. ``batch.texts`` holds the decoded text, rows grouped by prompt."""
         member = self._activate()
-        questions = [p if isinstance(p, str) else p.question for p in prompts]
+        questions = [p if isinstance(p, str) else p.chat for p in prompts]
         return member.learner.complete(questions, training)
 
     def reward(self, prompts: Sequence[Example], batch: RolloutBatch):
@@ -303,7 +303,7 @@ class Population(Sequence[Agent]):
         for agent in prompts:
             self._materialise(agent)
         questions = {
-            agent.member_id: [p if isinstance(p, str) else p.question for p in asked]
+            agent.member_id: [p if isinstance(p, str) else p.chat for p in asked]
             for agent, asked in prompts.items()
         }
         batches = self._shared().complete_all(questions, training)

@@ -97,6 +97,8 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     seed = member_seed(manifest.training.seed, task["member_id"])
     seed_everything(seed + world.rank)
     member.learner.generator.manual_seed(seed)
+    if not parent:  # a child reads on from its parent's data position
+        member.learner.data.restart(seed)
     member.lineage = {
         "member": task["member_id"],
         "parent": task["parent_id"],
