@@ -250,7 +250,11 @@ def test_learning_through_a_file_matches_the_builtin_task(tmp_path):
 EVAL_REWARD = """
 def reward(completion, answer, question):
     # held-out rows carry a bonus of 10 that no training row has: fitness lands in [10, 11]
-    return answer["bonus"] + min(len(completion), 20) / 20
+    return answer["bonus"] + min(len(completion), 20) / 40
+
+
+def brevity(completions, answers, questions):
+    return [0.5 if len(c) < 10 else 0.0 for c in completions]
 """
 
 
@@ -265,11 +269,19 @@ def test_check_then_run_a_campaign_on_the_users_files(tmp_path):
         "model": {"name": "builtin:tiny"},
         "algorithm": {"group_size": 4, "prompts_per_step": 2},
         "rollout": {"max_output_tokens": 6, "temperature": 1.0},
-        "task": {**_manifest_task("train.jsonl", eval="eval.jsonl", eval_size=4)},
+        "task": {
+            "train": "train.jsonl",
+            "eval": "eval.jsonl",
+            "eval_size": 4,
+            "rewards": [
+                {"file": "rewards.py", "function": "reward"},
+                {"file": "rewards.py", "function": "brevity", "weight": 1.0, "batched": True},
+            ],
+        },
         "training": {"seed": 1, "device": "cpu", "eval_temperature": 1.0},
         "population": {"size": 2, "tournament_size": 2, "evo_steps": 2},
         "budget": {"generations": 2},
-        "launch": {"slots": 2},
+        "launch": {"slots": 2, "persistent_workers": True},
     }
     path = tmp_path / "manifest.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -292,8 +304,17 @@ def test_check_then_run_a_campaign_on_the_users_files(tmp_path):
         for line in [result.read_text()]
     ]
     train_rewards = [step["reward_mean"] for r in rewards for step in r["history"]]
-    assert train_rewards and all(0.0 <= x <= 1.0 for x in train_rewards)
+    assert train_rewards and all(0.0 <= x <= 1.5 for x in train_rewards)
     assert len(set(train_rewards) | set(fitness)) > 2  # rewards vary
+    from mlflow import MlflowClient
+
+    directory = (tmp_path / "c").resolve()
+    client = MlflowClient(f"sqlite:///{directory}/mlflow.db")
+    experiment = client.get_experiment_by_name(f"campaign {directory}")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    for term in ("reward/reward", "reward/brevity"):
+        history = client.get_metric_history(runs["g001-m00"].info.run_id, term)
+        assert history and all(0.0 <= x.value <= 1.0 for x in history), term
 
     (tmp_path / "eval.jsonl").write_text('{"question": "q"}\n')
     bad = subprocess.run([*PBT, "check", str(path)], capture_output=True, text=True)
