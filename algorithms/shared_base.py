@@ -232,3 +232,4 @@ def _copy_learner(source, target) -> None:
         dst.update({k: _clone_value(v) for k, v in src.items() if k != "params"})
     target.scheduler.load_state_dict(source.scheduler.state_dict())
     target.step = source.step
+    target.zero_signal_in_a_row = source.zero_signal_in_a_row

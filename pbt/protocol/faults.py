@@ -13,6 +13,12 @@ file because the disk is full, by the error it printed last.
 A member whose loss or gradient stayed NaN or inf for ``algorithm.max_nonfinite_steps`` steps in
 a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``diverged``: like a
 failed member, it is retried from its parent and then replaced.
+
+A member that stopped learning (no signal for ``algorithm.collapse_patience`` steps in a row) is
+not a failure: retrying it would only repeat it. Its task ends early with a result (status
+``ok``, evaluated and saved) whose ``fault`` kind is ``collapsed``
+(:data:`pbt.protocol.collapse.COLLAPSED`); the campaign records it in its fault log and
+selection replaces it.
 """
 
 from __future__ import annotations
