@@ -159,12 +159,14 @@ def test_library_mode_ends_a_collapsed_member_and_selection_replaces_it(tmp_path
 CAMPAIGN = {
     "model": {"name": "builtin:tiny"},
     "algorithm": {"group_size": 4, "prompts_per_step": 2, "collapse_patience": 3},
-    "rollout": {"max_output_tokens": 3},
+    # sampling at temperature 0.5 speeds the collapse up: at lr 0.05 the tiny model puts all
+    # its mass on one completion within 5 to 8 steps (seeds 1 to 3, tried by hand)
+    "rollout": {"max_output_tokens": 3, "temperature": 0.5},
+    "optim": {"schedule": "constant"},
     "task": {"name": "builtin:letters", "eval_size": 8},
-    # seed 9 draws lr 0.042 for g000-m00 (it collapses onto one completion within about ten
-    # steps) and 0.0012 for g000-m01 (it keeps learning)
+    # seed 9 draws lr 0.042 for g000-m00 (it collapses) and 0.0012 for g000-m01 (it learns)
     "training": {"seed": 9, "device": "cpu"},
-    "population": {"size": 2, "tournament_size": 2, "evo_steps": 20, "init_sampler": "random"},
+    "population": {"size": 2, "tournament_size": 2, "evo_steps": 12, "init_sampler": "random"},
     "mutation": {
         "no_mutation": 1.0,
         "rl_hp": 0.0,
@@ -195,15 +197,16 @@ def test_a_campaign_ends_a_collapsing_member_early_says_why_once_and_replaces_it
     assert first.hyperparameters["lr"] > 0.03 > healthy.hyperparameters["lr"]
     assert first.collapsed and not healthy.collapsed
     assert first.metrics["trained_steps"] < CAMPAIGN["population"]["evo_steps"]
-    assert first.steps == first.metrics["trained_steps"] and healthy.steps == 20
+    assert first.steps == first.metrics["trained_steps"] and healthy.steps == 12
     assert first.metrics["zero_signal_fraction"] == 1.0 and first.fitness_history
-    assert [(f["member_id"], f["kind"]) for f in faults] == [("g000-m00", "collapsed")]
+    gen0 = [(f["member_id"], f["kind"]) for f in faults if f["generation"] == 0]
+    assert gen0 == [("g000-m00", "collapsed")]  # (its replacements may collapse in turn)
     # selection replaced it: both members of generation 1 descend from the healthy one
     assert {members[m].parent_id for m in ("g001-m00", "g001-m01")} == {"g000-m01"}
     # the controller said why, once, in the words of policy collapse
     said = [line for line in out.splitlines() if line.startswith("  g000-m00 had no signal")]
     assert len(said) == 1 and "policy collapse" in said[0], out
-    assert f"g000-m00 collapsed after {first.steps} of 20 steps" in out
+    assert f"g000-m00 collapsed after {first.steps} of 12 steps" in out
     assert "zero-signal 0." in out and "(last 1.00)" in out
     status = subprocess.run(
         [sys.executable, "-m", "pbt.cli", "status", str(directory)],
