@@ -36,14 +36,6 @@ from pbt.algorithms.tasks import Example
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 
-ZERO_SIGNAL_HINT = (
-    "every group in this batch got identical rewards, so there is nothing to learn from and the "
-    "update was skipped. Likely causes: the reward is too coarse (all 0 or all 1; give partial "
-    "credit), group_size is too small to see different outcomes (try 8 or 16), or the "
-    "temperature is too low for completions to differ (try 0.8 to 1.2)."
-)
-
-
 IMPORTANCE_TOTALS = ("is_weight", "is_capped", "logprob_gap", "is_tokens")
 
 
@@ -218,6 +210,7 @@ class GRPO(Learner):
             rewards, algo.group_size, algo.advantage_eps
         )
         lengths = batch.completion_mask.sum(dim=1).cpu()
+        identical = identical_groups(batch, algo.group_size)
         sums = all_reduce(
             [
                 float(rewards.sum()),
@@ -225,6 +218,8 @@ class GRPO(Learner):
                 len(rewards),
                 float(has_signal.sum()),
                 float(lengths.sum()),
+                float(identical.sum()),
+                len(identical),
             ]
         )
         count = max(sums[2], 1.0)
@@ -234,9 +229,11 @@ class GRPO(Learner):
             "reward_std": math.sqrt(max(sums[1] / count - mean**2, 0.0)),
             "zero_signal_fraction": 1.0 - sums[3] / count,
             "completion_length": sums[4] / count,
+            "identical_group_fraction": sums[5] / max(sums[6], 1.0),
             "lr": self.optimizer.param_groups[0]["lr"],
         }
         self.step += 1
+        self._count_signal(sums[3] == 0)
         if sums[3] == 0:
             self._advance_schedule()  # the schedule follows training steps, skipped ones too
             return {
@@ -421,6 +418,14 @@ def term_means(names: list[str], terms: Tensor) -> dict[str, float]:
     sums = all_reduce([*terms.sum(dim=0).tolist(), float(len(terms))])
     count = max(sums[-1], 1.0)
     return {f"reward/{name}": value / count for name, value in zip(names, sums, strict=False)}
+
+
+def identical_groups(batch: RolloutBatch, group_size: int) -> Tensor:
+    """``[N / group_size]`` bool: whether every completion of each group is the same token
+    sequence (padding after the end ignored), the mark of a collapsed policy."""
+    ids = batch.completion_ids.masked_fill(batch.completion_mask == 0, -1).cpu()
+    groups = ids.view(-1, group_size, ids.shape[-1])  # [G, group_size, C]
+    return (groups == groups[:, :1]).all(dim=2).all(dim=1)
 
 
 def nonfinite_note(metrics: dict[str, float]) -> str:

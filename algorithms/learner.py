@@ -117,6 +117,10 @@ class Learner:
         """Optimizer steps skipped so far because their loss or gradient was NaN or inf."""
         self.nonfinite_in_a_row = 0
         """Of those, how many came in a row just now (reset by a finite step)."""
+        self.zero_signal_in_a_row = 0
+        """Training steps in a row just now whose every group had no signal (reset by a step
+        with signal); member state, saved in checkpoints, so a clone or a resumed member keeps
+        counting towards ``algorithm.collapse_patience``."""
         self._since_schedule = [0, 0]  # [updates, skipped] since the schedule last advanced
 
     @classmethod
@@ -250,6 +254,16 @@ class Learner:
             raise DivergedError(self.nonfinite_in_a_row, limit, self.step)
         return True
 
+    def _count_signal(self, zero_signal: bool) -> None:
+        """Count a zero-signal training step in a row, or reset the count on a step with signal."""
+        self.zero_signal_in_a_row = self.zero_signal_in_a_row + 1 if zero_signal else 0
+
+    @property
+    def collapsed(self) -> bool:
+        """Whether ``algorithm.collapse_patience`` steps in a row had no signal just now."""
+        patience = self.algorithm.collapse_patience
+        return patience is not None and self.zero_signal_in_a_row >= patience
+
     def _advance_schedule(self) -> None:
         """Advance the learning-rate schedule by one training step, unless the step made
         optimizer steps and every one was skipped as non-finite (a step that made none, such
@@ -359,6 +373,7 @@ class Learner:
             "step": self.step,
             "generator": self.generator.get_state(),
             "data": self.data.state_dict(),
+            "zero_signal_in_a_row": self.zero_signal_in_a_row,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,6 +385,8 @@ class Learner:
         self.generator.set_state(state["generator"])
         if "data" in state:  # checkpoints older than the data position start a fresh epoch
             self.data.load_state_dict(state["data"])
+        # absent from checkpoints written before collapse was counted: no steps in a row then
+        self.zero_signal_in_a_row = int(state.get("zero_signal_in_a_row", 0))
         self.adapter_stale = True
 
 

@@ -18,7 +18,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
-from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
     adapter_dir_base,
@@ -37,6 +36,7 @@ from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_gather_objects, barrier, init_process_group
 from pbt.distributed.fsdp import shard_model
 from pbt.distributed.state import gather_parameters, load_parameters
+from pbt.protocol.collapse import collapse_detail, diagnosis, is_zero_signal
 
 StepCallback = Callable[[int, dict[str, float]], None]
 """Called after each training step with the lineage's step count and the step's metrics."""
@@ -156,6 +156,21 @@ class Member:
             "generation": 0,
             "mutation": None,
         }
+        self.diagnosed = False
+        """Whether this member's lack of signal was explained already (it is, once)."""
+        self.stopped = False
+        """Whether :meth:`train` ended early because the member collapsed."""
+
+    @property
+    def collapsed(self) -> bool:
+        """Whether the member's last ``algorithm.collapse_patience`` steps all had no signal."""
+        return self.learner.collapsed
+
+    def collapse_detail(self) -> str:
+        """Why the member counts as collapsed, in words."""
+        learner = self.learner
+        patience = self.manifest.algorithm.collapse_patience or 0
+        return collapse_detail(learner.zero_signal_in_a_row, patience, learner.step)
 
     def train_step(self) -> dict[str, float]:
         """One training step on the task's training split; returns its metrics."""
@@ -167,25 +182,37 @@ class Member:
         on_step: StepCallback | None = None,
         say: Callable[[str], None] | None = None,
     ) -> list[dict[str, float]]:
-        """Train ``steps`` steps; returns every step's metrics, each with its ``"step"``.
+        """Train ``steps`` steps, or fewer when the member collapses; returns every step's
+        metrics, each with its ``"step"``.
+
+        The member collapses when ``algorithm.collapse_patience`` steps in a row had no signal
+        (:attr:`collapsed`); training stops there, so the caller can evaluate and save it and
+        selection replace it (:attr:`stopped`). A member that starts collapsed (a clone of
+        one) trains one step before it is judged again.
 
         Args:
-            steps: how many steps to take.
+            steps: how many steps to take at most.
             on_step: called after each step with the lineage's step count (parents' steps
                 included) and the step's metrics: where the caller prints, records or logs.
-            say: where a step that learned nothing (every group's rewards identical, so the
-                update was skipped) is explained, as ``step N: <why, and what to change>``;
-                None says nothing.
+            say: where the member's first step that learned nothing (every group's rewards
+                identical, so the update was skipped) is explained, once, as ``step N: <why,
+                and what to change>``, and where a collapse is announced; None says nothing.
         """
         history = []
         for _ in range(steps):
             metrics = self.train_step()
             step = self.learner.step
-            if say is not None and metrics.get("skipped"):
-                say(f"step {step}: {ZERO_SIGNAL_HINT}")
+            if say is not None and is_zero_signal(metrics) and not self.diagnosed:
+                self.diagnosed = True
+                say(f"step {step}: {diagnosis(metrics)}")
             if on_step is not None:
                 on_step(step, metrics)
             history.append({"step": step, **metrics})
+            if self.collapsed:
+                self.stopped = True
+                if say is not None:
+                    say(f"step {step}: collapsed: {self.collapse_detail()}")
+                break
         return history
 
     def attributes(self) -> dict[str, Any]:

@@ -235,3 +235,4 @@ def _copy_learner(source, target) -> None:
     target.scheduler.load_state_dict(source.scheduler.state_dict())
     target.step = source.step
     target.data.load_state_dict(source.data.state_dict())
+    target.zero_signal_in_a_row = source.zero_signal_in_a_row

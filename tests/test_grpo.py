@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from support import small_manifest
 
-from pbt.algorithms.grpo import ZERO_SIGNAL_HINT
 from pbt.algorithms.member import Member
+from pbt.protocol.collapse import ZERO_SIGNAL_HINT
 
 CPU = torch.device("cpu")
 

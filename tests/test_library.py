@@ -321,7 +321,7 @@ def test_train_population_resumes_exactly(tmp_path):
     # a population of another model refuses the folder instead of mixing with it
     with pytest.raises(ConfigError, match="holds a population with base_model"):
         train_population(
-            _loop_population(tmp_path, model={"name": str(tmp_path)}),
+            _loop_population(tmp_path, model={"name": "example-org/another-model"}),
             steps=4,
             output_dir=out,
             tracking=False,

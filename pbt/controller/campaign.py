@@ -63,6 +63,7 @@ from pbt.controller.search import (
     study_storage,
 )
 from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
 from pbt.protocol.files import write_json_atomic
 from pbt.protocol.paths import inside, plain_name
@@ -305,6 +306,8 @@ class Campaign:
             root = self._trial_root(m)
             child_id = member_id(generation + 1, slot)
             fitness = m.fitness_history[-1] if m.fitness_history else math.nan
+            if m.collapsed:  # its trial ends, and a new one takes the slot
+                search.finish(root.member_id, fitness, "pruned")
             if search.report(root.member_id, fitness, m.generation - root.generation):
                 number, hyperparameters = search.trial_for(child_id)
                 child = MemberRecord(
@@ -356,10 +359,11 @@ class Campaign:
     ) -> str:
         budget = self.manifest.budget
         best = max(m.fitness(self.manifest.population.fitness_window) for m in finished)
-        # each member that trained (not one replaced by a clone) trained evo_steps steps; its
-        # own step count is its lineage's, parents' steps included
-        total_steps = self.manifest.population.evo_steps * sum(
-            1
+        # each member that trained (not one replaced by a clone) trained evo_steps steps, or
+        # fewer when it collapsed; its own step count is its lineage's, parents' steps included
+        evo_steps = self.manifest.population.evo_steps
+        total_steps = sum(
+            int(m.metrics.get("trained_steps", evo_steps))
             for m in self.store.members()
             if m.status == "done"
             and m.generation <= generation
@@ -522,17 +526,39 @@ class Campaign:
 
     def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
         result = outcome.result or {}
+        fault = result.get("fault") or {}
+        trained = int(result["steps"]) - m.steps  # m.steps: its parent's, until now
         m.status = "done"
         m.checkpoint = result["checkpoint"]
         m.checkpoint_digest = result.get("digest")
         m.fitness_history = [*m.fitness_history, float(result["fitness"])]
         m.steps = int(result["steps"])
+        m.collapsed = fault.get("kind") == COLLAPSED
+        m.metrics = _signal_figures(result.get("metrics", {})) | {"trained_steps": trained}
         self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
         self.store.update_member(m)
+        if m.collapsed:
+            detail = str(fault.get("detail", ""))
+            self.store.record_fault(m.generation, m.member_id, m.attempts, COLLAPSED, detail)
         self.log.member_finished(m, result)
-        self.say(
-            f"  {m.member_id} done: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) in {outcome.seconds:.0f} s"
+        how = (
+            f"collapsed after {trained} of {self.manifest.population.evo_steps} steps"
+            if m.collapsed
+            else "done"
         )
+        self.say(
+            f"  {m.member_id} {how}: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) "
+            f"in {outcome.seconds:.0f} s{signal_note(m.metrics)}"
+        )
+        self._diagnose(m, result.get("history", []))
+
+    def _diagnose(self, m: MemberRecord, history: list[dict[str, float]]) -> None:
+        """Say once, for a member with a step that learned nothing, why and what to change."""
+        step = last_zero_signal(history)
+        if step is not None:
+            self.say(f"  {m.member_id} had no signal at step {step['step']:.0f}: {diagnosis(step)}")
+        if m.collapsed:
+            self.say(f"  {m.member_id} collapsed; selection replaces it")
 
     def _record_fault(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
         self.store.record_fault(
@@ -608,6 +634,12 @@ class Campaign:
             for leftover in folder.glob(".*"):
                 if ".tmp-" in leftover.name or ".old-" in leftover.name:
                     _remove(leftover)
+
+
+def _signal_figures(metrics: dict[str, Any]) -> dict[str, float]:
+    """The zero-signal figures of a result's metrics, for the member's record."""
+    keys = ("zero_signal_fraction", "zero_signal_fraction_mean", "zero_signal_steps")
+    return {k: float(metrics[k]) for k in keys if k in metrics}
 
 
 def _remove(path: Path) -> None:

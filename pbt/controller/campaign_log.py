@@ -14,7 +14,9 @@ killed) is sent when the campaign resumes. The runs' params and tags, logged onc
 - Member runs: tagged with member id, generation, parent member and the mutation applied, with
   their hyperparameters as params; the member's per-step training metrics (reward mean and std,
   loss, KL, clip fraction, zero-signal fraction, learning rate, tokens/s, GPU memory) at its
-  lineage's step, and its fitness and hyperparameters at the step it was evaluated.
+  lineage's step, and at the step it was evaluated its fitness, hyperparameters, the zero-signal
+  fraction over its task (``zero_signal_fraction_mean``, and the last step's), its zero-signal
+  steps, trained steps and ``collapsed`` (1 when it ended for lack of signal, then also a tag).
 """
 
 from __future__ import annotations
@@ -93,8 +95,12 @@ class CampaignLog:
         for entry in result.get("history", []):
             metrics = {k: float(v) for k, v in entry.items() if k != "step"}
             self.tracker.log_metrics(m.member_id, metrics, int(entry["step"]))
-        evaluated = {"fitness": float(result["fitness"]), **m.hyperparameters}
+        evaluated = {"fitness": float(result["fitness"]), **m.hyperparameters, **m.metrics}
+        evaluated["collapsed"] = float(m.collapsed)
         self.tracker.log_metrics(m.member_id, evaluated, m.steps)
+        if m.collapsed:
+            detail = str((result.get("fault") or {}).get("detail", ""))
+            self.tracker.set_tags(m.member_id, {"collapsed": detail[:250] or "true"})
         self.tracker.end_run(m.member_id)
 
     def member_failed(self, m: MemberRecord, status: str, detail: str, final: bool) -> None:

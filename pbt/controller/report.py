@@ -21,7 +21,9 @@ def _open(directory: Path) -> CampaignStore:
 
 
 def status_text(directory: Path) -> str:
-    """Generation, each member's status, fitness and hyperparameters, and every fault."""
+    """Generation, each member's status (``collapsed`` for one ended for lack of signal),
+    fitness, zero-signal fraction (mean over its steps / last step) and hyperparameters, and
+    every fault."""
     with _open(directory) as store:
         members = store.members()
         faults = store.faults()
@@ -46,7 +48,7 @@ def status_text(directory: Path) -> str:
 
 def _member_table(members: list[MemberRecord]) -> str:
     names = sorted({k for m in members for k in m.hyperparameters})
-    header = ["member", "parent", "status", "tries", "fitness", *names, "mutation"]
+    header = ["member", "parent", "status", "tries", "fitness", "zero-signal", *names, "mutation"]
     rows = [header]
     for m in members:
         fit = m.fitness_history[-1] if m.fitness_history and m.status == "done" else None
@@ -54,15 +56,24 @@ def _member_table(members: list[MemberRecord]) -> str:
             [
                 m.member_id,
                 m.parent_id or "-",
-                m.status,
+                "collapsed" if m.collapsed else m.status,
                 str(m.attempts),
                 f"{fit:.4f}" if fit is not None else "-",
+                _zero_signal(m),
                 *(f"{m.hyperparameters.get(k, float('nan')):.4g}" for k in names),
                 (m.mutation or "initial")[:40],
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def _zero_signal(m: MemberRecord) -> str:
+    """``0.42/1.00``: the zero-signal fraction over the member's steps and at its last step."""
+    figures = m.metrics
+    if "zero_signal_fraction_mean" not in figures:
+        return "-"
+    return f"{figures['zero_signal_fraction_mean']:.2f}/{figures['zero_signal_fraction']:.2f}"
 
 
 def lineage_text(directory: Path, member_id: str | None = None) -> str:

@@ -4,7 +4,9 @@ With elitism, slot 0 is the single best member by mean fitness over its last
 ``fitness_window`` evaluations (ties go to the lowest index); every other slot is filled by a
 tournament: ``tournament_size`` members drawn uniformly without replacement, the fittest wins
 (ties go to the first drawn). A member that has never been evaluated has fitness ``-inf`` and
-loses to any member that has.
+loses to any member that has; so does a collapsed one (its task ended for lack of signal,
+:mod:`pbt.protocol.collapse`), whatever fitness it measured: it is never the elite nor a
+tournament's winner while any other member can be.
 
 Every random choice goes through the ``random.Random`` passed to :meth:`select`, so a campaign
 seeded once makes the same choices on every run. Controller code: no torch.
@@ -93,7 +95,10 @@ class TournamentSelection:
         return chosen
 
     def _score(self, member: MemberRecord) -> float:
-        """Windowed mean fitness; NaN (a diverged evaluation) ranks with the unevaluated."""
+        """Windowed mean fitness; NaN (a diverged evaluation) and a collapsed member rank with
+        the unevaluated."""
+        if member.collapsed:
+            return -math.inf
         fitness = member.fitness(self.fitness_window)
         return -math.inf if math.isnan(fitness) else fitness
 

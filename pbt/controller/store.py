@@ -44,7 +44,9 @@ CREATE TABLE IF NOT EXISTS members (
     hyperparameters TEXT NOT NULL, mutation TEXT, checkpoint TEXT, checkpoint_digest TEXT,
     fitness_history TEXT NOT NULL, last_fitness REAL,
     status TEXT NOT NULL CHECK (status IN ('pending', 'running', 'done', 'failed')),
-    attempts INTEGER NOT NULL CHECK (attempts >= 0), steps INTEGER NOT NULL CHECK (steps >= 0));
+    attempts INTEGER NOT NULL CHECK (attempts >= 0), steps INTEGER NOT NULL CHECK (steps >= 0),
+    collapsed INTEGER NOT NULL DEFAULT 0 CHECK (collapsed IN (0, 1)),
+    metrics TEXT NOT NULL DEFAULT '{{}}');
 CREATE INDEX IF NOT EXISTS members_by_generation ON members (generation);
 CREATE TABLE IF NOT EXISTS lineage (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, generation INTEGER NOT NULL,
@@ -69,8 +71,14 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 _COLUMNS = (
     "member_id", "generation", "parent_id", "parent_checkpoint", "hyperparameters", "mutation",
     "checkpoint", "checkpoint_digest", "fitness_history", "last_fitness", "status", "attempts",
-    "steps",
+    "steps", "collapsed", "metrics",
 )  # fmt: skip
+# Columns added after the first release, with what ALTER TABLE adds them as to an older store
+# (their defaults are what the older store's members were: not collapsed, no figures).
+_ADDED_COLUMNS = {
+    "collapsed": "INTEGER NOT NULL DEFAULT 0 CHECK (collapsed IN (0, 1))",
+    "metrics": "TEXT NOT NULL DEFAULT '{}'",
+}
 _INSERT_MEMBER = (
     f"INSERT INTO members ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + c for c in _COLUMNS)})"
 )
@@ -108,6 +116,8 @@ def _member_row(record: MemberRecord) -> dict[str, Any]:
     row["hyperparameters"] = json.dumps(record.hyperparameters, sort_keys=True)
     row["fitness_history"] = json.dumps(history)
     row["last_fitness"] = history[-1] if history else None
+    row["collapsed"] = int(record.collapsed)
+    row["metrics"] = json.dumps({k: float(v) for k, v in record.metrics.items()}, sort_keys=True)
     return row
 
 
@@ -115,6 +125,8 @@ def _record(row: sqlite3.Row) -> MemberRecord:
     fields = {name: row[name] for name in _COLUMNS if name != "last_fitness"}
     fields["hyperparameters"] = json.loads(fields["hyperparameters"])
     fields["fitness_history"] = json.loads(fields["fitness_history"])
+    fields["collapsed"] = bool(fields["collapsed"])
+    fields["metrics"] = json.loads(fields["metrics"])
     return MemberRecord(**fields)
 
 
@@ -206,6 +218,10 @@ class CampaignStore:
                 )
             for statement in _SCHEMA.split(";"):
                 db.execute(statement)
+            present = {row["name"] for row in db.execute("PRAGMA table_info(members)")}
+            for column, definition in _ADDED_COLUMNS.items():
+                if column not in present:
+                    db.execute(f"ALTER TABLE members ADD COLUMN {column} {definition}")
             db.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),

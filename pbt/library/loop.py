@@ -3,7 +3,9 @@
     pop = create_population(algo="GRPO", INIT_HP=INIT_HP, population_size=4)
     pop = train_population(pop, steps=40, evo_steps=10, eval_every=5, output_dir="runs/lib")
 
-Every member trains the same number of steps, in turns, on the shared base model. Members are
+Every member trains the same number of steps, in turns, on the shared base model, except one
+that collapses (no signal for ``algorithm.collapse_patience`` steps in a row): it stops
+training, is still evaluated, and the next evolution replaces it. Members are
 evaluated every ``eval_every`` steps, and always at an evolution step before selection, so
 selection never ranks a member by an evaluation older than its training; evolution (tournament
 selection, then mutation) happens every ``evo_steps`` steps, but not after the last one.
@@ -142,6 +144,8 @@ class _Run:
 
     def train(self, count: int) -> None:
         for agent in self.pop:
+            if agent.stopped:  # ended for lack of signal: it waits for selection to replace it
+                continue
             started = time.perf_counter()
 
             def log(step: int, metrics: dict[str, float], agent: Agent = agent) -> None:
@@ -151,16 +155,18 @@ class _Run:
                 self._say(f"  {agent.member_id} {line}")
 
             history = agent.train(count, log, say)
+            ended = ", collapsed: it trains no more" if agent.stopped else ""
             self._say(
                 f"  {agent.member_id} step {agent.steps}: {agent.describe(history[-1])} "
-                f"({time.perf_counter() - started:.1f} s)"
+                f"({time.perf_counter() - started:.1f} s){ended}"
             )
         self.step += count
 
     def evaluate(self) -> None:
         for agent in self.pop:
             fitness = agent.test()
-            self._log(agent, {"fitness": fitness, **agent.hyperparameters}, self.step)
+            evaluated = {"fitness": fitness, "collapsed": float(agent.collapsed)}
+            self._log(agent, evaluated | agent.hyperparameters, self.step)
         best = max(self.pop, key=lambda a: a.fitness[-1])
         mean = sum(a.fitness[-1] for a in self.pop) / len(self.pop)
         self._say(

@@ -91,6 +91,17 @@ class Agent:
         """Training steps taken by this member's lineage."""
         return self._member().learner.step if self.materialised else self._steps
 
+    @property
+    def collapsed(self) -> bool:
+        """Whether its last ``algorithm.collapse_patience`` training steps all had no signal:
+        selection replaces it."""
+        return self.materialised and self._member().collapsed
+
+    @property
+    def stopped(self) -> bool:
+        """Whether its training ended early because it collapsed (a clone of it starts again)."""
+        return self.materialised and self._member().stopped
+
     def record(self) -> MemberRecord:
         """This member as the controller's plain record."""
         return MemberRecord(
@@ -101,6 +112,7 @@ class Agent:
             mutation=self.mutation,
             fitness_history=list(self.fitness),
             steps=self.steps,
+            collapsed=self.collapsed,
         )
 
     # -- AgileRL-style calls ---------------------------------------------------------------
@@ -150,9 +162,10 @@ class Agent:
         on_step: StepCallback | None = None,
         say: Callable[[str], None] | None = None,
     ) -> list[dict[str, float]]:
-        """Train ``steps`` steps (the loop campaign members train in); returns every step's
-        metrics, each with its ``"step"``. ``on_step(step, metrics)`` follows each step;
-        ``say`` explains a step that learned nothing (identical rewards in every group)."""
+        """Train ``steps`` steps (the loop campaign members train in), or fewer when the member
+        collapses (:attr:`collapsed`); returns every step's metrics, each with its ``"step"``.
+        ``on_step(step, metrics)`` follows each step; ``say`` explains, once, a step that
+        learned nothing (identical rewards in every group), and announces a collapse."""
         return self._activate().train(steps, on_step, say)
 
     def test(self, examples: Sequence[Example] | None = None, temperature: float | None = None):

@@ -25,6 +25,12 @@ with into ``fault.json`` (``cause`` and ``exit_code``; ``kind`` is null for an e
 kind): torchrun's agent exits 1 whatever its worker's code, and the cause would otherwise be
 only in the member's log. The first report of an attempt stands, so a rank that fails because a
 peer died does not overwrite the peer's cause.
+
+A member that stopped learning (no signal for ``algorithm.collapse_patience`` steps in a row) is
+not a failure: retrying it would only repeat it. Its task ends early with a result (status
+``ok``, evaluated and saved) whose ``fault`` kind is ``collapsed``
+(:data:`pbt.protocol.collapse.COLLAPSED`); the campaign records it in its fault log and
+selection replaces it.
 """
 
 from __future__ import annotations

@@ -40,6 +40,12 @@ class MemberRecord:
     attempts: int = 0
     steps: int = 0
     """Training steps of the lineage so far."""
+    collapsed: bool = False
+    """Its task ended early for lack of signal (:mod:`pbt.protocol.collapse`): its fitness was
+    measured, but selection replaces it."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Figures of its own training for status tables: the zero-signal fraction of its steps
+    (mean and last) and its trained steps (:func:`pbt.protocol.collapse.signal_summary`)."""
 
     def fitness(self, window: int = 1) -> float:
         """Mean of the last ``window`` evaluations; ``-inf`` when there is none."""

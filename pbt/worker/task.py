@@ -8,7 +8,10 @@ checkpoint (or none: the base model), the hyperparameters, the steps to train an
 worker loads the parent checkpoint and only THEN applies the hyperparameters, so a mutated lr
 lands in the optimizer's param groups with Adam's moments and the schedule's position kept. It
 trains, evaluates, saves a gathered checkpoint and writes ``result.json`` (rank 0, atomically),
-heartbeating all the while. It loads and saves checkpoints only inside the campaign's
+heartbeating all the while. A member that collapses (no signal for
+``algorithm.collapse_patience`` steps in a row) stops training early, is evaluated and saved all
+the same, and its result says ``"fault": {"kind": "collapsed", ...}``
+(:mod:`pbt.protocol.collapse`). It loads and saves checkpoints only inside the campaign's
 ``checkpoints`` folder. A task that fails says why in ``fault.json`` (:mod:`pbt.protocol.faults`):
 its one-line cause, its kind (out of memory, disk full, diverged, configuration error) and the
 exit code, before the worker exits: 2 for those and for any user error, 1 for a bug (whose
@@ -34,6 +37,7 @@ from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.protocol import faults
+from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import RELEASED, Heartbeat, read_json, write_json_atomic
 from pbt.protocol.paths import inside
 from pbt.protocol.records import member_seed
@@ -118,13 +122,15 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     marks.append(("save", time.perf_counter()))  # the snapshot; finish_task times the write
     if host.engine is not None:
         host.engine.forget(member.member_id)
+    fault = {"kind": COLLAPSED, "detail": member.collapse_detail()} if member.collapsed else None
     timings = {name: end - begin for (_, begin), (name, end) in itertools.pairwise(marks)}
     result = {
         "status": "ok",
         "member_id": task["member_id"],
         "fitness": fitness,
-        "metrics": history[-1] if history else {},
+        "metrics": (history[-1] if history else {}) | signal_summary(history),
         "history": history,
+        "fault": fault,
         "steps": member.learner.step,
         "checkpoint": task["checkpoint"],
         "digest": None,
