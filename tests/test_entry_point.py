@@ -130,6 +130,9 @@ def test_wheel_installs_one_import_root(tmp_path):
     assert tops == {"pbt"}, tops
     assert "pbt/algorithms/grpo.py" in names and "pbt/distributed/process_group.py" in names
     assert "pbt/configs/quickstart.yaml" in names
+    example = repo / "configs" / "examples" / "own_task"
+    shipped = {f"pbt/configs/examples/own_task/{p.name}" for p in example.iterdir() if p.is_file()}
+    assert shipped <= set(names), shipped - set(names)  # the worked example, rows and rewards
     target = tmp_path / "site"
     _run(
         [
