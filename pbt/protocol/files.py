@@ -16,15 +16,26 @@ RELEASED = "released"
 (its state is in host memory, its checkpoint being written): the slot may take the next task."""
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the whole new one."""
-    path = Path(path)
+def _json_beside(path: Path, obj: Any) -> str:
+    """Write ``obj`` as JSON to a new, flushed temporary file in ``path``'s folder; its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    tmp = _json_beside(path, obj)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -44,12 +55,8 @@ def write_json_once(path: str | os.PathLike[str], obj: Any) -> bool:
     Readers see no file or the whole of it: a complete temporary file is linked into place,
     which fails if another process linked its own first."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _json_beside(path, obj)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
         try:
             os.link(tmp, path)
         except FileExistsError:
