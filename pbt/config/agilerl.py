@@ -186,7 +186,12 @@ def _algorithm(out: Translation, block: dict[str, Any]) -> None:
 
 def _training(out: Translation, block: dict[str, Any]) -> None:
     for key, value in block.items():
-        _apply_key(out, TRAINING_RULES, "training", str(key), value)
+        rule = TRAINING_RULES.get(str(key).upper())
+        if rule is None:
+            known = ", ".join(k.lower() for k in TRAINING_RULES)
+            out.problems.append(f"training.{key} is not a known key; known: {known}")
+            continue
+        out.apply(rule, f"training.{key}", value)
     batch, gpus = block.get("rollout_batch_size"), block.get("training_gpus_per_agent", 1)
     if isinstance(batch, int) and isinstance(gpus, int) and gpus >= 1 and batch % gpus:
         out.problems.append(
@@ -215,8 +220,12 @@ def _mutation(out: Translation, block: dict[str, Any]) -> None:
             good = {str(hp): dict(spec) for hp, spec in value.items() if hp not in bad}
             _ranges_from(out, good, "mutation.rl_hp_selection")
         else:
-            upper = _MUTATION_NAMES.get(str(key), str(key).upper())
-            _apply_key(out, MUTATION_RULES, "mutation", upper, value)
+            rule = MUTATION_RULES.get(_MUTATION_NAMES.get(str(key), ""))
+            if rule is None:
+                known = ", ".join([*_MUTATION_NAMES, "probabilities", "rl_hp_selection"])
+                out.problems.append(f"mutation.{key} is not a known key; known: {known}")
+                continue
+            out.apply(rule, f"mutation.{key}", value)
 
 
 def _selection(out: Translation, block: dict[str, Any]) -> None:
