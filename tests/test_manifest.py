@@ -72,7 +72,9 @@ def test_init_hp_maps_agilerl_spelling_onto_configs():
     assert manifest.optim.lr == 5e-6 and manifest.optim.max_grad_norm == 0.1
     assert manifest.algorithm.beta == 0.001 and manifest.algorithm.group_size == 6
     assert manifest.algorithm.clip_low == manifest.algorithm.clip_high == 0.25
-    assert manifest.algorithm.micro_batch_size == 2 and manifest.algorithm.update_epochs == 2
+    # AgileRL's BATCH_SIZE is prompts per step (agreeing with the section), not a memory setting
+    assert manifest.algorithm.prompts_per_step == 2 and manifest.algorithm.micro_batch_size is None
+    assert manifest.algorithm.update_epochs == 2
     assert manifest.rollout.temperature == 0.9 and manifest.rollout.max_output_tokens == 32
     assert manifest.distributed.fsdp is True
 

@@ -17,32 +17,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from pbt.config.agilerl import translate_agilerl, translate_hp_dicts
 from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
 from pbt.config.ranges import campaign_problems
-
-# AgileRL's INIT_HP spelling -> (section, field). CLIP_COEF sets both clip bounds.
-INIT_HP_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
-    "ALGO": (("algorithm", "name"),),
-    "LR": (("optim", "lr"),),
-    "MAX_GRAD_NORM": (("optim", "max_grad_norm"),),
-    "BETA": (("algorithm", "beta"),),
-    "GROUP_SIZE": (("algorithm", "group_size"),),
-    "CLIP_COEF": (("algorithm", "clip_low"), ("algorithm", "clip_high")),
-    "BATCH_SIZE": (("algorithm", "micro_batch_size"),),
-    "BATCH_SIZE_PER_GPU": (("algorithm", "micro_batch_size"),),
-    "DATA_BATCH_SIZE_PER_GPU": (("algorithm", "prompts_per_step"),),
-    "UPDATE_EPOCHS": (("algorithm", "update_epochs"),),
-    "TEMPERATURE": (("rollout", "temperature"),),
-    "MAX_OUTPUT_TOKENS": (("rollout", "max_output_tokens"),),
-    "MIN_OUTPUT_TOKENS": (("rollout", "min_output_tokens"),),
-    "FSDP": (("distributed", "fsdp"),),
-    "SEED": (("training", "seed"),),
-    "POP_SIZE": (("population", "size"),),
-    "TOURNAMENT_SIZE": (("population", "tournament_size"),),
-    "ELITISM": (("population", "elitism"),),
-    "EVO_STEPS": (("population", "evo_steps"),),
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,12 +105,11 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 def manifest_from_dict(
     data: dict[str, Any], base_dir: str | Path = ".", source: str = "manifest"
 ) -> Manifest:
-    """Validate a manifest given as a dict of sections, optionally with an ``INIT_HP`` entry."""
-    data = copy.deepcopy(data)  # INIT_HP is merged into the sections: never the caller's dicts
-    problems: list[str] = []
-    init_hp = data.pop("INIT_HP", None)
-    if init_hp is not None:
-        problems += merge_init_hp(data, init_hp)
+    """Validate a manifest given as a dict of sections, optionally with AgileRL's ``INIT_HP`` and
+    ``MUTATION_PARAMS`` entries, or in AgileRL's lowercase format (:mod:`pbt.config.agilerl`)."""
+    data = copy.deepcopy(data)  # AgileRL's keys are merged into the sections: never the caller's
+    agilerl = translate_agilerl(data)
+    problems = list(agilerl.problems)
     data["base_dir"] = str(base_dir)
     manifest = _build(Manifest, data, "", problems)
     if manifest is not None:
@@ -144,33 +121,16 @@ def manifest_from_dict(
     if problems:
         raise ConfigError(problems, source)
     assert manifest is not None
+    manifest.translation_notes.extend(agilerl.notes)
     return manifest
 
 
 def merge_init_hp(sections: dict[str, Any], init_hp: Any) -> list[str]:
-    """Fold an AgileRL-style ``INIT_HP`` dict into manifest ``sections`` in place.
-
-    A key given both in ``INIT_HP`` and in its section is a contradiction, reported, not resolved.
-    """
-    if not isinstance(init_hp, dict):
-        return [f"INIT_HP must be a mapping like {{LR: 1e-5, GROUP_SIZE: 8}}, got {init_hp!r}"]
-    problems: list[str] = []
-    for key, value in init_hp.items():
-        targets = INIT_HP_KEYS.get(str(key))
-        if targets is None:
-            problems.append(f"INIT_HP.{key} is not a known key{_suggest(str(key), INIT_HP_KEYS)}")
-            continue
-        for section, name in targets:
-            block = sections.setdefault(section, {})
-            if not isinstance(block, dict):
-                continue  # reported when the section itself is built
-            if name in block and block[name] != value:
-                problems.append(
-                    f"INIT_HP.{key} ({value!r}) contradicts {section}.{name} ({block[name]!r}); "
-                    "give it in one place"
-                )
-            block[name] = value
-    return problems
+    """Fold an AgileRL-style ``INIT_HP`` dict into manifest ``sections`` in place; returns the
+    problems (a key given both in ``INIT_HP`` and in its section differently is one)."""
+    translation = translate_hp_dicts(init_hp, None)
+    translation.write(sections)
+    return translation.problems
 
 
 def _suggest(key: str, valid: typing.Iterable[str]) -> str:

@@ -47,6 +47,9 @@ class Manifest:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     base_dir: str = "."
     """Folder of the manifest file; relative paths in it resolve against this (set by the loader)."""
+    translation_notes: list[str] = field(default_factory=list, init=False, compare=False)
+    """One line per AgileRL key that changes nothing here, saying what pbt-llm does instead
+    (set by the loader; not a manifest key)."""
 
     def check(self) -> list[str]:
         problems: list[str] = []
@@ -82,11 +85,13 @@ class Manifest:
 
     def notes(self) -> list[str]:
         """What a user should know before a run that is not a problem (``pbt check`` and
-        ``pbt run`` print these): a base model that members will fetch from the hub."""
+        ``pbt run`` print these): AgileRL keys that change nothing here, and a base model that
+        members will fetch from the hub."""
+        notes = list(self.translation_notes)
         if not self.model.name.strip():
-            return []
+            return notes
         note = locate_model(self.model.name, self.base_dir).note
-        return [note] if note else []
+        return [*notes, note] if note else notes
 
     def _check_model(self) -> list[str]:
         """``model.name`` is the built-in model, a folder with a ``config.json`` or a hub id

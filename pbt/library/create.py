@@ -124,6 +124,9 @@ def _overridden(manifest: Manifest, overrides: dict[tuple[str, str], Any]) -> Ma
     The caller's manifest is left as it was."""
     sections = dataclasses.asdict(manifest)
     base_dir = sections.pop("base_dir")
+    notes = sections.pop("translation_notes")
     for (section, key), value in overrides.items():
         sections[section][key] = value
-    return manifest_from_dict(sections, base_dir=base_dir)
+    overridden = manifest_from_dict(sections, base_dir=base_dir)
+    overridden.translation_notes.extend(notes)
+    return overridden

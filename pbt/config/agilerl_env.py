@@ -1,0 +1,149 @@
+"""AgileRL's ``environment:`` and ``network:`` sections, onto ``task``, ``model`` and ``lora``."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+from typing import Any
+
+from pbt.config.agilerl_rules import INIT_HP_RULES, Translation
+from pbt.config.task import HUB_PREFIX
+
+_FIELDS = {"question": "question_field", "answer": "answer_field", "prompt": "prompt_field",
+           "response": "response_field", "chosen": "chosen_field", "rejected": "rejected_field"}  # fmt: skip
+"""The column a row is renamed to in AgileRL -> the task field that names it here."""
+_FILE_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".arrow")
+
+
+def translate_environment(out: Translation, block: dict[str, Any]) -> None:
+    """``environment:`` -> ``task``: rows, field names, prompt turns, held-out share, reward."""
+    columns = block.get("columns") or {}
+    if not isinstance(columns, dict):
+        out.problems.append(f"environment.columns ({columns!r}) must map a column to its role")
+        columns = {}
+    renamed = {str(role): str(column) for column, role in columns.items()}
+    for key, value in block.items():
+        handler = _ENV_KEYS.get(str(key))
+        if handler is None:
+            known = ", ".join(sorted(_ENV_KEYS))
+            out.problems.append(f"environment.{key} is not a known key; known: {known}")
+            continue
+        handler(out, value, renamed)
+    file, name = block.get("reward_file_path"), block.get("reward_fn_name")
+    if (file is None) != (name is None):
+        out.problems.append(
+            "environment.reward_file_path and environment.reward_fn_name go together; give the "
+            "file and the name of reward_fn(completion, answer, question) in it"
+        )
+    elif file is not None:
+        out.sets.append(("task.reward", {"file": file, "function": name}, "environment.reward_*"))
+
+
+def _dataset(out: Translation, value: Any, _: dict[str, str]) -> None:
+    path = str(value)
+    local = PurePath(path).suffix in _FILE_SUFFIXES or path.startswith((".", "/"))
+    out.sets.append(("task.train", path if local else HUB_PREFIX + path, "environment.dataset"))
+
+
+def _columns(out: Translation, value: Any, renamed: dict[str, str]) -> None:
+    for role, column in renamed.items():
+        if role not in _FIELDS:
+            out.problems.append(
+                f"environment.columns.{column} ({role!r}) names no role here; use one of "
+                f"{', '.join(_FIELDS)}"
+            )
+        else:
+            out.sets.append((f"task.{_FIELDS[role]}", column, f"environment.columns.{column}"))
+
+
+def _response(out: Translation, value: Any, _: dict[str, str]) -> None:
+    out.sets.append(("task.response_field", value, "environment.response_column"))
+
+
+def _split(out: Translation, value: Any, _: dict[str, str]) -> None:
+    if not isinstance(value, (int, float)) or not 0 < value < 1:
+        out.problems.append(
+            f"environment.train_test_split ({value!r}) must be a training share in (0, 1)"
+        )
+        return
+    out.sets.append(("task.eval_fraction", round(1.0 - value, 10), "environment.train_test_split"))
+
+
+def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
+    """Turns ``{role}_{index}``: a system turn and one user turn; the user turn's ``{question}``
+    and ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
+    if not isinstance(value, dict):
+        out.problems.append(f"environment.prompt_template ({value!r}) must map turns to text")
+        return
+    for turn, text in value.items():
+        role = str(turn).rsplit("_", 1)[0]
+        where = f"environment.prompt_template.{turn}"
+        if role == "system":
+            out.sets.append(("task.system_prompt", text, where))
+        elif role == "user":
+            for name in ("question", "answer"):
+                text = str(text).replace("{" + name + "}", "{" + renamed.get(name, name) + "}")
+            out.sets.append(("task.prompt_template", text, where))
+        else:
+            out.problems.append(
+                f"{where} is refused: a {role} turn (a prefill of the answer) is not supported "
+                "here, and dropping it would change what the model is asked; move its text into "
+                "the user turn or remove it"
+            )
+
+
+def _refuse_rubric(out: Translation, value: Any, _: dict[str, str]) -> None:
+    out.problems.append(
+        f"environment.rubric_* ({value!r}) is refused: AgileRL rubrics are not read here; give "
+        "reward_file_path and reward_fn_name naming reward_fn(completion, answer, question)"
+    )
+
+
+def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
+    if value not in ("rollout", "reasoning", "preference", "dataset"):
+        out.problems.append(
+            f"environment.env_type ({value!r}) is refused: only prompt datasets (rollout, "
+            "reasoning, preference) are read here; for an interactive environment write a reward"
+        )
+
+
+def _max_reward(out: Translation, value: Any, _: dict[str, str]) -> None:
+    out.notes.append(
+        f"environment.max_reward ({value!r}): fitness here is the mean reward on held-out rows; "
+        "give budget.target_fitness to stop at a score"
+    )
+
+
+def _skip(out: Translation, value: Any, _: dict[str, str]) -> None:
+    """Read together with its partner key, in :func:`translate_environment`."""
+
+
+_ENV_KEYS = {
+    "env_type": _env_type,
+    "dataset": _dataset,
+    "columns": _columns,
+    "response_column": _response,
+    "train_test_split": _split,
+    "prompt_template": _template,
+    "max_reward": _max_reward,
+    "reward_file_path": _skip,
+    "reward_fn_name": _skip,
+    "rubric_file_path": _refuse_rubric,
+    "rubric_name": _skip,
+}
+
+
+def translate_network(out: Translation, block: dict[str, Any]) -> None:
+    """``network:`` -> the base model, the vLLM context length and the LoRA adapter."""
+    for key, value in block.items():
+        where = f"network.{key}"
+        if key == "pretrained_model_name_or_path":
+            out.sets.append(("model.name", value, where))
+        elif key == "max_context_length":
+            out.apply(INIT_HP_RULES["MAX_MODEL_LEN"], where, value)
+        elif key == "lora_config":
+            out.apply(INIT_HP_RULES["LORA"], where, value)
+        else:
+            out.problems.append(
+                f"{where} is not a known key; known: pretrained_model_name_or_path, "
+                "max_context_length, lora_config"
+            )

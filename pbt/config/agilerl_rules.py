@@ -1,0 +1,333 @@
+"""The table of AgileRL's keys: for each, where its value lands and what it means here.
+
+A rule converts a value into assignments to dotted manifest paths, a note (the key changes
+nothing here), or a problem (obeying it would change results, so it is refused with the fix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one key's value became."""
+
+    sets: tuple[tuple[str, Any], ...] = ()
+    note: str = ""
+    problem: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRule:
+    """One AgileRL key: the manifest paths it sets, its meaning, and its conversion."""
+
+    targets: tuple[str, ...]
+    meaning: str
+    convert: Callable[[Any], Outcome]
+
+
+@dataclass(slots=True)
+class Translation:
+    """What AgileRL's keys became: values per dotted manifest path, notes, problems."""
+
+    sets: list[tuple[str, Any, str]] = field(default_factory=list)
+    """``(path, value, origin)``; ``origin`` names the AgileRL key in messages."""
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def apply(self, rule: KeyRule, origin: str, value: Any) -> None:
+        """Run one key's rule and keep what it yields."""
+        outcome = rule.convert(value)
+        self.sets += [(path, v, origin) for path, v in outcome.sets]
+        if outcome.note:
+            self.notes.append(f"{origin} ({value!r}): {outcome.note}")
+        if outcome.problem:
+            self.problems.append(f"{origin} ({value!r}) {outcome.problem}")
+
+    def write(self, sections: dict[str, Any]) -> None:
+        """Assign every value into ``sections``; a value the manifest also gives differently is
+        a contradiction, reported, not resolved."""
+        for path, value, origin in self.sets:
+            *parents, name = path.split(".")
+            block: Any = sections
+            for part in parents:
+                block = block.setdefault(part, {})
+                if not isinstance(block, dict):
+                    break  # reported when the section itself is built
+            else:
+                if name in block and block[name] != value:
+                    self.problems.append(
+                        f"{origin} ({value!r}) contradicts {path} ({block[name]!r}); give it in "
+                        "one place"
+                    )
+                block[name] = value
+
+
+def _to(*paths: str) -> Callable[[Any], Outcome]:
+    return lambda value: Outcome(sets=tuple((p, value) for p in paths))
+
+
+def _rule(meaning: str, *paths: str) -> KeyRule:
+    return KeyRule(paths, meaning, _to(*paths))
+
+
+def _note(meaning: str, note: str) -> KeyRule:
+    return KeyRule((), meaning, lambda value: Outcome(note=note))
+
+
+def _refuse_unless(
+    ok: Callable[[Any], bool], meaning: str, problem: str, note: str = ""
+) -> KeyRule:
+    """Refused when ``ok(value)`` is false (obeying would change results); else a note, if any."""
+    return KeyRule((), meaning, lambda v: Outcome(note=note) if ok(v) else Outcome(problem=problem))
+
+
+ALGO_NAMES: dict[str, tuple[str, str | None]] = {
+    "GRPO": ("GRPO", None),
+    "CISPO": ("GRPO", "cispo"),
+    "GSPO": ("GRPO", "gspo"),
+    "LLMPPO": ("PPO", None),
+    "PPO": ("PPO", None),
+    "LLMREINFORCE": ("REINFORCE", None),
+    "REINFORCE": ("REINFORCE", None),
+    "SFT": ("SFT", None),
+    "DPO": ("DPO", None),
+}
+"""AgileRL's algorithm names -> (``algorithm.name``, ``algorithm.loss`` or None)."""
+
+
+def _algo(value: Any) -> Outcome:
+    if str(value).upper() not in ALGO_NAMES:
+        return Outcome(sets=(("algorithm.name", value),))  # refused there, with a suggestion
+    name, loss = ALGO_NAMES[str(value).upper()]
+    sets = (("algorithm.name", name),) + ((("algorithm.loss", loss),) if loss else ())
+    return Outcome(sets=sets)
+
+
+def _cosine(value: Any) -> Outcome:
+    if value is None or value is False:
+        return Outcome(sets=(("optim.schedule", "constant"),))
+    extra = value if isinstance(value, dict) else {}
+    if extra.get("warmup_proportion"):
+        return Outcome(
+            problem="sets a warmup as a share of epochs, which this step-driven run has not; "
+            "give optim.warmup_steps (optimizer steps of linear warmup) and optim.schedule: cosine"
+        )
+    note = "the cosine decays to 0 over each member's training.steps" if extra else ""
+    return Outcome(sets=(("optim.schedule", "cosine"),), note=note)
+
+
+def _vllm_config(value: Any) -> Outcome:
+    own = {"tensor_parallel_size", "gpu_memory_utilization", "max_num_seqs", "sleep_mode",
+           "max_model_len", "enforce_eager", "enable_prefix_caching"}  # fmt: skip
+    if not isinstance(value, dict):
+        return Outcome(problem="must be a mapping of vLLM settings")
+    other = sorted(set(value) - own)
+    if other:
+        return Outcome(
+            problem=f"has {', '.join(other)}: a vLLM server is not used here, the engine is "
+            f"colocated with each rank; set only {', '.join(sorted(own))} (rollout.vllm)"
+        )
+    return Outcome(sets=tuple((f"rollout.vllm.{k}", v) for k, v in value.items()))
+
+
+_LORA_KEYS = {"r": "r", "lora_r": "r", "lora_alpha": "alpha", "alpha": "alpha",
+              "lora_dropout": "dropout", "dropout": "dropout", "target_modules": "target_modules"}  # fmt: skip
+
+
+def lora(value: Any) -> Outcome:
+    """A peft ``LoraConfig``'s fields (AgileRL's ``LORA`` / ``network.lora_config``) -> ``lora``."""
+    if not isinstance(value, dict):
+        return Outcome(problem="must be a mapping of LoraConfig fields (r, lora_alpha, ...)")
+    sets, problems = [], []
+    for key, v in value.items():
+        if key in _LORA_KEYS:
+            sets.append((f"lora.{_LORA_KEYS[key]}", v))
+        elif (key, v) in (("bias", "none"), ("task_type", "CAUSAL_LM")):
+            continue  # what the adapter here always is
+        else:
+            problems.append(f"{key}: {v!r}")
+    if problems:
+        return Outcome(
+            problem=f"has {', '.join(problems)}, which the adapter here does not support; it "
+            "takes r, lora_alpha, lora_dropout, target_modules (bias none, task_type CAUSAL_LM)"
+        )
+    return Outcome(sets=tuple(sets))
+
+
+_NO_ARCH = (
+    "is refused: an LLM member's architecture is the base model's and its weights change only "
+    "by training; set it to 0"
+)
+
+INIT_HP_RULES: dict[str, KeyRule] = {
+    "ALGO": KeyRule(
+        ("algorithm.name", "algorithm.loss"),
+        "the algorithm; CISPO and GSPO are GRPO "
+        "with that loss, LLMPPO is PPO, LLMREINFORCE is REINFORCE",
+        _algo,
+    ),
+    "BATCH_SIZE": _rule("prompts per training step", "algorithm.prompts_per_step"),
+    "GROUP_SIZE": _rule("completions sampled per prompt", "algorithm.group_size"),
+    "LR": _rule("learning rate", "optim.lr"),
+    "BETA": _rule("KL coefficient against the reference", "algorithm.beta"),
+    "CLIP_COEF": _rule("both clip bounds", "algorithm.clip_low", "algorithm.clip_high"),
+    "MAX_GRAD_NORM": _rule("gradient clipping", "optim.max_grad_norm"),
+    "UPDATE_EPOCHS": _rule("passes over each rollout batch", "algorithm.update_epochs"),
+    "TEMPERATURE": _rule("sampling temperature", "rollout.temperature"),
+    "MAX_OUTPUT_TOKENS": _rule("longest completion", "rollout.max_output_tokens"),
+    "MIN_OUTPUT_TOKENS": KeyRule(
+        ("rollout.min_output_tokens",),
+        "shortest completion; null is 0",
+        lambda v: Outcome(sets=(("rollout.min_output_tokens", v or 0),)),
+    ),
+    "MAX_MODEL_LEN": _rule(
+        "longest prompt + completion of the vLLM engine", "rollout.vllm.max_model_len"
+    ),
+    "COSINE_lR_SCHEDULER": KeyRule(
+        ("optim.schedule",),
+        "null: constant; a mapping: cosine decay over the member's steps",
+        _cosine,
+    ),
+    "LORA": KeyRule(("lora",), "the LoRA adapter (peft LoraConfig fields)", lora),
+    "LORA_R": _rule("adapter rank", "lora.r"),
+    "LORA_ALPHA": _rule("adapter scaling numerator", "lora.alpha"),
+    "LORA_DROPOUT": _rule("adapter dropout", "lora.dropout"),
+    "TARGET_MODULES": _rule("adapted modules", "lora.target_modules"),
+    "LORA_BIAS": _refuse_unless(
+        lambda v: v == "none",
+        "adapter bias: none only",
+        "is refused: the adapter trains no biases; set none",
+    ),
+    "MICRO_BATCH_SIZE_PER_GPU": _rule(
+        "completions per forward/backward", "algorithm.micro_batch_size"
+    ),
+    "BATCH_SIZE_PER_GPU": _rule("completions per forward/backward", "algorithm.micro_batch_size"),
+    "DATA_BATCH_SIZE_PER_GPU": _rule("prompts per step", "algorithm.prompts_per_step"),
+    "USE_VLLM": KeyRule(
+        ("rollout.engine",),
+        "true: the colocated vLLM engine; false: HF generate",
+        lambda v: Outcome(sets=(("rollout.engine", "vllm" if v else "hf"),)),
+    ),
+    "VLLM_CONFIG": KeyRule(("rollout.vllm",), "the colocated engine's settings", _vllm_config),
+    "FSDP": _rule("true or FSDPConfig fields: FSDP2 sharding", "distributed.fsdp"),
+    "GAMMA": _rule("PPO discount per token", "algorithm.gamma"),
+    "GAE_LAMBDA": _rule("PPO's GAE lambda", "algorithm.lam"),
+    "VF_COEF": _rule("PPO value-loss weight", "algorithm.vf_coef"),
+    "LOSS_TYPE": _rule("the GRPO-family objective", "algorithm.loss"),
+    "SEED": _rule("the campaign's seed", "training.seed"),
+    "POP_SIZE": _rule("members in the population", "population.size"),
+    "TOURN_SIZE": _rule("tournament size", "population.tournament_size"),
+    "TOURNAMENT_SIZE": _rule("tournament size (pbt-llm's spelling)", "population.tournament_size"),
+    "ELITISM": _rule("keep the best member unchanged", "population.elitism"),
+    "EVO_STEPS": _rule("training steps between selections", "population.evo_steps"),
+    "EVAL_LOOP": _rule("latest evaluations averaged into fitness", "population.fitness_window"),
+    "ADV_NORM": _refuse_unless(
+        lambda v: v == "mean_std",
+        "mean_std only (GRPO's advantage)",
+        "is refused: advantages here are (r - mean) / std; for no std "
+        "normalisation use algorithm.loss: dr_grpo",
+    ),
+    "USE_KL_ADVANTAGE_SHAPING": _refuse_unless(
+        lambda v: not v,
+        "false only",
+        "is refused: the KL here is a loss term (algorithm.beta); set it to false",
+    ),
+    "FILTER_ZERO_ADV": _refuse_unless(
+        lambda v: not v,
+        "false only",
+        "is refused: to drop zero-signal groups use algorithm.dynamic_sampling: true",
+    ),
+    "CALC_POSITION_EMBEDDINGS": _note(
+        "ignored", "position ids are always computed from the attention mask here; nothing to set"
+    ),
+    "REDUCE_MEMORY_PEAK": _note(
+        "ignored", "memory is bounded by algorithm.micro_batch_size here; set that instead"
+    ),
+    "USE_MEMORY_EFFICIENT_PARAMS": _note(
+        "ignored", "members share one frozen base and hold only their adapters; nothing to set"
+    ),
+    "USE_LIGER_LOSS": _note(
+        "ignored",
+        "the loss kernel here is the project's own lean log-prob path; the result is the same",
+    ),
+    "GRADIENT_CHECKPOINTING": _note(
+        "ignored",
+        "a memory setting AgileRL's trainer applies; this trainer does not checkpoint activations",
+    ),
+    "USE_SEPARATE_REFERENCE_ADAPTER": _note(
+        "ignored",
+        "the reference here is the base model "
+        "(adapter disabled), which a fresh adapter starts "
+        "from",
+    ),
+}
+"""``INIT_HP`` keys (also the lowercase ``algorithm:`` keys of AgileRL's manifest, uppercased)."""
+
+MUTATION_RULES: dict[str, KeyRule] = {
+    "NO_MUT": _rule("relative probability of no mutation", "mutation.no_mutation"),
+    "RL_HP_MUT": _rule("relative probability of a hyperparameter mutation", "mutation.rl_hp"),
+    "ARCH_MUT": _refuse_unless(lambda v: not v, "0 only", _NO_ARCH),
+    "NEW_LAYER": _refuse_unless(lambda v: not v, "0 only", _NO_ARCH),
+    "PARAMS_MUT": _refuse_unless(lambda v: not v, "0 only", _NO_ARCH),
+    "ACT_MUT": _refuse_unless(lambda v: not v, "0 only", _NO_ARCH),
+    "MUT_SD": _note(
+        "ignored",
+        "the noise of AgileRL's parameter mutation, which LLM members do "
+        "not use; hyperparameters move by mutation.ranges' grow and shrink factors",
+    ),
+    "RAND_SEED": _rule("the campaign's seed: selection and mutation draw from it", "training.seed"),
+    "MUTATE_ELITE": _rule("mutate the elite too", "mutation.mutate_elite"),
+    "RL_HP_SELECTION": KeyRule(
+        ("mutation.ranges",), "restricts the ranges to these names", lambda v: Outcome()
+    ),
+}
+"""``MUTATION_PARAMS`` keys (also ``mutation:`` and ``mutation.probabilities:``, uppercased)."""
+
+RANGE_NAMES: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "clip_coef": (("clip_low", None), ("clip_high", None)),
+    "batch_size": (("prompts_per_step", "int"),),
+    "group_size": (("group_size", "int"),),
+}
+"""AgileRL's hyperparameter names whose range lands under other names or is integer."""
+
+
+def _engines(value: Any) -> Outcome:
+    if value == 0:
+        return Outcome()
+    return Outcome(
+        problem="is refused: pbt-llm has no dedicated rollout engines; each member generates on "
+        "its own ranks. Use rollout.engine: vllm (colocated, with sleep mode) and "
+        "training.training_gpus_per_agent (launch.gpus_per_member), or set it to 0"
+    )
+
+
+TRAINING_RULES: dict[str, KeyRule] = {
+    "MAX_STEPS": _rule("training steps summed over all members", "budget.total_steps"),
+    "EVO_STEPS": INIT_HP_RULES["EVO_STEPS"],
+    "POP_SIZE": INIT_HP_RULES["POP_SIZE"],
+    "EVAL_LOOP": INIT_HP_RULES["EVAL_LOOP"],
+    "EVALUATION_INTERVAL": _rule("evaluate every N steps", "training.eval_every"),
+    "TARGET_SCORE": _rule("stop at this fitness", "budget.target_fitness"),
+    "MAX_WALL_SECONDS": _rule("stop after this wall time", "budget.wall_time_s"),
+    "NUM_EPOCHS": _note(
+        "ignored",
+        "the run is step-driven: budget.total_steps (max_steps) and population.evo_steps end it",
+    ),
+    "TRAINING_GPUS_PER_AGENT": _rule("GPUs (ranks) of each member", "launch.gpus_per_member"),
+    "ROLLOUT_BATCH_SIZE": _rule(
+        "prompts (groups) per step; a multiple of training_gpus_per_agent",
+        "algorithm.prompts_per_step",
+    ),
+    "ROLLOUT_ENGINES_PER_AGENT": KeyRule((), "0 only (refused otherwise)", _engines),
+    "ROLLOUT_MODE": _refuse_unless(
+        lambda v: v == "colocated",
+        "colocated only",
+        "is refused: rollouts here are colocated with training; "
+        "set colocated and use rollout.engine: vllm",
+    ),
+}
+"""The ``training:`` keys of AgileRL's manifest (uppercased), the Arena keys among them."""
