@@ -7,11 +7,15 @@ Every module under the package-dir mapping is read with ``ast`` (function-level 
     1  pbt.protocol
     2  pbt.distributed
     3  pbt.algorithms
-    4  pbt.controller, pbt.worker, pbt.library
+    4  pbt.controller, pbt.worker, pbt.library, pbt.hpo
     5  pbt.cli
 
 A module may import its own floor and the floors below, never one above; no module may reach
-itself again through its imports. A project import inside a function is allowed only when it
+itself again through its imports. The one exception is a package's public face (``FACADES``):
+``pbt.algorithms`` re-exports the algorithm handles of ``pbt.library.algorithms`` by a lazy
+``__getattr__``, so users write ``from pbt.algorithms import GRPO`` as in AgileRL. That import
+serves users only: no project module may import the package ``pbt.algorithms`` itself (only its
+submodules), so no code of a lower floor can come to depend on a higher one through it. A project import inside a function is allowed only when it
 pulls in a heavy dependency (torch, transformers, peft, vllm, mlflow, optuna, ...) that the
 importing module must not load at start: any other lazy import would only be hiding a loop.
 """
@@ -38,8 +42,11 @@ FLOORS = {
     "pbt.controller": 4,
     "pbt.worker": 4,
     "pbt.library": 4,
+    "pbt.hpo": 4,
     "pbt.cli": 5,
 }
+FACADES = {"pbt.algorithms": {"pbt.library.algorithms"}}
+"""Packages whose ``__init__`` re-exports, lazily and for users only, names of a higher floor."""
 HEAVY = {
     "torch", "transformers", "peft", "vllm", "mlflow", "optuna", "optuna_dashboard",
     "matplotlib", "datasets", "safetensors", "numpy",
@@ -143,14 +150,34 @@ def test_every_module_has_a_floor():
     assert "pbt.controller.campaign" in modules() and "pbt.algorithms.grpo" in modules()
 
 
+def _upward_allowed(module: Module, target: str) -> bool:
+    """Whether ``module`` may import ``target`` of a higher floor: ``pbt`` itself, or a facade
+    importing, inside a function, what it re-exports."""
+    return module.name == "pbt" or (
+        target in FACADES.get(module.name, ()) and target in module.lazy - module.top
+    )
+
+
 def test_no_import_climbs_a_floor():
     climbs = [
         f"{m.name} (floor {floor(m.name)}) imports {t} (floor {floor(t)})"
         for m in modules().values()
         for t in sorted(m.top | m.lazy)
-        if floor(t) > floor(m.name) and m.name != "pbt"
+        if floor(t) > floor(m.name) and not _upward_allowed(m, t)
     ]
     assert not climbs, "\n".join(climbs)
+
+
+def test_facades_serve_users_only():
+    """No project module imports a facade package itself, so none can reach, through it, the
+    higher floor it re-exports."""
+    users = [
+        f"{m.name} imports the facade {t}; import the module that defines the name instead"
+        for m in modules().values()
+        for t in sorted(m.top | m.lazy)
+        if t in FACADES and m.name != t
+    ]
+    assert not users, "\n".join(users)
 
 
 def test_no_import_loop():
@@ -194,7 +221,7 @@ def test_lazy_imports_only_defer_heavy_dependencies():
         f"{m.name} imports {t} inside a function, but {t} loads nothing heavy: import it at the top"
         for m in modules().values()
         for t in sorted(m.lazy - m.top)
-        if m.name != "pbt" and not _pulls_heavy(t)
+        if not _upward_allowed(m, t) and not _pulls_heavy(t)
     ]
     assert not hiding, "\n".join(hiding)
 

@@ -164,3 +164,82 @@ def campaign_problems(manifest: Manifest) -> list[str]:
     return problems + mutation_problems(
         ranges, mut.no_mutation, mut.rl_hp, mut.resample_probability
     )
+
+
+@dataclass(kw_only=True, slots=True)
+class RLParameter:
+    """AgileRL's spelling of one mutation range (``agilerl.algorithms.core.registry``): the
+    same fields as :class:`HPRange` less ``log``, with ``dtype`` given as the type ``float``
+    or ``int``."""
+
+    min: float
+    """Smallest allowed value."""
+    max: float
+    """Largest allowed value."""
+    shrink_factor: float = 0.8
+    """Multiplier for a downward step."""
+    grow_factor: float = 1.2
+    """Multiplier for an upward step."""
+    dtype: type = float
+    """``float`` or ``int`` (the type itself, as AgileRL writes it)."""
+
+    def spec(self, key: str) -> dict[str, object]:
+        """This range as a ``mutation.ranges`` entry.
+
+        Raises:
+            ConfigError: ``dtype`` is neither ``float`` nor ``int``.
+        """
+        if self.dtype not in (float, int):
+            raise ConfigError(
+                [
+                    f"{key}.dtype ({self.dtype!r}) must be float or int; array-valued "
+                    "hyperparameters do not exist for LLM fine-tuning, use one of the two"
+                ]
+            )
+        return {
+            "min": self.min,
+            "max": self.max,
+            "grow_factor": self.grow_factor,
+            "shrink_factor": self.shrink_factor,
+            "dtype": self.dtype.__name__,
+        }
+
+
+class HyperparameterConfig(dict):
+    """AgileRL's ``hp_config``: the mutable hyperparameters by name, each an
+    :class:`RLParameter` (``HyperparameterConfig(lr=RLParameter(min=1e-6, max=1e-4))``).
+    Wherever ``hp_config`` is taken, it means the same as ``mutation.ranges``.
+
+    Raises:
+        ConfigError: a value is not an :class:`RLParameter`.
+    """
+
+    def __init__(self, **params: RLParameter) -> None:
+        wrong = [name for name, value in params.items() if not isinstance(value, RLParameter)]
+        if wrong:
+            raise ConfigError(
+                [
+                    f"HyperparameterConfig.{name} ({params[name]!r}) must be an RLParameter; "
+                    f"write {name}=RLParameter(min=..., max=...)"
+                    for name in wrong
+                ]
+            )
+        super().__init__(params)
+
+    def names(self) -> list[str]:
+        """The hyperparameters it names, in order."""
+        return list(self)
+
+
+def range_specs(hp_config: dict[str, object]) -> dict[str, object]:
+    """``hp_config`` as ``mutation.ranges``: :class:`RLParameter` and :class:`HPRange` values
+    become mappings; mappings pass as they are (the loader checks them)."""
+    specs: dict[str, object] = {}
+    for name, value in hp_config.items():
+        if isinstance(value, RLParameter):
+            specs[name] = value.spec(f"hp_config.{name}")
+        elif isinstance(value, HPRange):
+            specs[name] = dataclasses.asdict(value)
+        else:
+            specs[name] = value
+    return specs

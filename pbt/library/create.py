@@ -15,13 +15,17 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
+from pbt.config.ranges import range_specs
 from pbt.controller.population import initial_records
+from pbt.library.agilerl import agilerl_sections, create_call
 from pbt.library.population import Population
 
 
 def create_population(
+    first: dict[str, Any] | str | None = None,
+    /,
+    *agilerl_args: Any,
     INIT_HP: dict[str, Any] | None = None,
-    *,
     algo: str | None = None,
     manifest: Manifest | None = None,
     config: dict[str, Any] | None = None,
@@ -32,17 +36,25 @@ def create_population(
     device: str | None = None,
     rng: random.Random | None = None,
     storage: str | None = None,
+    **agilerl_kwargs: Any,
 ) -> Population:
     """The population of generation 0: agents that load nothing until first used.
 
+    AgileRL's call works too: ``create_population("GRPO", None, INIT_HP, hp_config=...,
+    population_size=4, tokenizer=..., lora_config=...)`` (its positional order and keyword
+    names, :mod:`pbt.library.agilerl`). Without ``population_size`` it builds
+    ``INIT_HP["POP_SIZE"]`` members (AgileRL would build 1).
+
     Args:
+        first: ``INIT_HP`` given by position, or AgileRL's ``algo``.
         INIT_HP: AgileRL-style hyperparameters (``LR``, ``GROUP_SIZE``, ``POP_SIZE``, ``FSDP``
             as True or a dict of ``FSDPConfig`` fields, ...); used when ``manifest`` is not given.
         algo: the algorithm (``"GRPO"``); same as ``INIT_HP["ALGO"]``.
         manifest: a validated manifest (what ``pbt run`` passes).
         config: any other manifest sections (``{"task": {...}, "lora": {...}}``).
         population_size: overrides ``population.size``.
-        hp_config: mutation ranges, ``{name: {min, max, ...}}``; overrides ``mutation.ranges``.
+        hp_config: mutation ranges, ``{name: {min, max, ...}}`` or AgileRL's
+            ``HyperparameterConfig``; overrides ``mutation.ranges``.
         init_sampler: ``none`` (every member starts from the manifest's values), ``random``,
             ``qmc`` (an evenly spread population) or ``tpe`` (informed by
             ``population.warm_start``): values drawn from the ranges through an Optuna study,
@@ -53,15 +65,39 @@ def create_population(
             ``training.seed`` when omitted.
         storage: the Optuna storage that keeps the initial draws (a campaign passes its
             ``optuna.db``); default in memory.
+        agilerl_args, agilerl_kwargs: the rest of AgileRL's call shape.
 
     Raises:
         ConfigError: any bad key or value, all reported together.
     """
+    if isinstance(first, str) or agilerl_args or agilerl_kwargs:
+        return _from_agilerl_call(
+            (first, *agilerl_args) if first is not None else agilerl_args,
+            {
+                "INIT_HP": INIT_HP,
+                "algo": algo,
+                "hp_config": hp_config,
+                "population_size": population_size,
+                "model_name": model_name,
+                "device": device,
+                **agilerl_kwargs,
+            },
+            dict(
+                manifest=manifest,
+                config=config,
+                init_sampler=init_sampler,
+                rng=rng,
+                storage=storage,
+            ),
+        )
+    if first is not None and INIT_HP is not None:
+        raise ConfigError(["create_population got INIT_HP twice (by position and by keyword)"])
+    INIT_HP = first if first is not None else INIT_HP
     overrides = {
         ("model", "name"): model_name,
         ("training", "device"): device,
         ("population", "size"): population_size,
-        ("mutation", "ranges"): None if hp_config is None else dict(hp_config),
+        ("mutation", "ranges"): None if hp_config is None else range_specs(hp_config),
         ("population", "init_sampler"): init_sampler,
     }
     overrides = {where: value for where, value in overrides.items() if value is not None}
@@ -74,6 +110,43 @@ def create_population(
     rng = rng or random.Random(manifest.training.seed)
     members = initial_records(manifest, storage)
     return Population(manifest, members, rng)
+
+
+_OWN_ARGS = ("algo", "INIT_HP", "hp_config", "population_size", "model_name", "device")
+"""AgileRL's arguments that are ours too."""
+
+
+def _from_agilerl_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], ours: dict[str, Any]
+) -> Population:
+    """``create_population`` called in AgileRL's shape: bind it as AgileRL does, read its
+    extra arguments into sections, and build the population our way."""
+    given = {key: value for key, value in kwargs.items() if value is not None}
+    call = create_call(args, given | {k: v for k, v in kwargs.items() if k not in _OWN_ARGS})
+    if ours["manifest"] is not None:
+        raise ConfigError(
+            [
+                "create_population takes a manifest or AgileRL's (algo, net_config, INIT_HP), "
+                "not both; fold the INIT_HP values into the manifest"
+            ]
+        )
+    extras = {key: value for key, value in call.items() if key not in _OWN_ARGS}
+    sections, init_hp = agilerl_sections(extras, "create_population")
+    config = copy.deepcopy(ours["config"] or {})
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return create_population(
+        {**(call.get("INIT_HP") or {}), **init_hp},
+        algo=call.get("algo"),
+        config=config,
+        population_size=call.get("population_size"),
+        hp_config=call.get("hp_config"),
+        model_name=call.get("model_name"),
+        device=call.get("device"),
+        init_sampler=ours["init_sampler"],
+        rng=ours["rng"],
+        storage=ours["storage"],
+    )
 
 
 def _sections(

@@ -52,6 +52,8 @@ def train_population(
     tracking: bool | str = True,
     target_fitness: float | None = None,
     progress: bool = True,
+    tournament=None,
+    mutations=None,
 ) -> Population:
     """Train ``population`` for ``steps`` steps per member, evolving it on the way.
 
@@ -67,6 +69,8 @@ def train_population(
         tracking: True for the embedded MLflow store, a tracking URI for a server, False off.
         target_fitness: stop early once the best member's latest fitness reaches it.
         progress: print a line per member per evaluation and per evolution.
+        tournament, mutations: the selection and mutation to evolve with (default the
+            population's own, as configured); see :meth:`Population.evolve`.
 
     Returns:
         The population (the same object), evaluated at its last step.
@@ -82,6 +86,7 @@ def train_population(
     _check_intervals(steps, evo_steps, eval_every)
     out = Path(output_dir or manifest.training.output_dir)
     run = _Run(population, out, progress, tracking)
+    run.evolution = (tournament, mutations)
     if resume:
         run.restore()
     try:
@@ -115,6 +120,7 @@ class _Run:
         self.evolved_at = -1
         self.saved_at = -1
         self.tracker = None
+        self.evolution: tuple = (None, None)
         self.started = time.perf_counter()
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +189,7 @@ class _Run:
 
     def evolve(self) -> None:
         previous = [agent.member_id for agent in self.pop]
-        self.pop.evolve()
+        self.pop.evolve(*self.evolution)
         self.evolved_at = self.step
         if self.tracker is not None:
             for member_id in previous:

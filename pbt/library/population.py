@@ -282,9 +282,18 @@ class Population(Sequence[Agent]):
 
         return build_mutations(self.manifest)
 
-    def evolve(self) -> Population:
-        """Tournament selection, then mutation, as configured; returns this population."""
-        return self.mutations.mutation(self.tournament.select(self))
+    def evolve(self, tournament=None, mutations=None) -> Population:
+        """Tournament selection, then mutation; returns this population.
+
+        Args:
+            tournament: Any ``TournamentSelection`` (this package's or :mod:`pbt.hpo`'s);
+                default :attr:`tournament`, as configured.
+            mutations: Any ``Mutations`` with ``mutation(population)``; default
+                :attr:`mutations`.
+        """
+        tournament = tournament or self.tournament
+        self.next_generation(tournament.select(self.records(), self.rng))
+        return (mutations or self.mutations).mutation(self)
 
     def next_generation(self, selected: list[Selected]) -> Population:
         """Replace the agents by clones of the selected parents (elite first); free the rest.
