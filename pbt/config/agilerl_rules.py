@@ -50,6 +50,7 @@ class Translation:
     def write(self, sections: dict[str, Any]) -> None:
         """Assign every value into ``sections``; a value the manifest also gives differently is
         a contradiction, reported, not resolved."""
+        self._fit_tournament()
         for path, value, origin in self.sets:
             *parents, name = path.split(".")
             block: Any = sections
@@ -64,6 +65,29 @@ class Translation:
                         "one place"
                     )
                 block[name] = value
+
+    def _fit_tournament(self) -> None:
+        """AgileRL's single-agent configs pair ``POP_SIZE: 1`` with ``TOURN_SIZE: 2``; a
+        tournament cannot hold more members than the population, so it is cut to the population
+        (with a note): with one member there is nothing to select either way."""
+        given = {path: (value, origin) for path, value, origin in self.sets}
+        size, tournament = given.get("population.size"), given.get("population.tournament_size")
+        if size is None or tournament is None:
+            return
+        if not all(isinstance(v[0], int) and v[0] > 0 for v in (size, tournament)):
+            return  # the manifest's own checks report such values
+        if tournament[0] <= size[0]:
+            return
+        self.sets.append(("population.tournament_size", size[0], tournament[1]))
+        self.sets = [
+            entry
+            for entry in self.sets
+            if entry[0] != "population.tournament_size" or entry[1] == size[0]
+        ]
+        self.notes.append(
+            f"{tournament[1]} ({tournament[0]!r}): a tournament cannot hold more than the "
+            f"{size[0]} member(s) of {size[1]}; tournament_size is {size[0]}"
+        )
 
 
 def _to(*paths: str) -> Callable[[Any], Outcome]:
