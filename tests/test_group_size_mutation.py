@@ -15,7 +15,7 @@ from pbt.algorithms.checkpoint import load_checkpoint, peft_key
 from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.config.errors import ConfigError
-from pbt.config.ranges import base_hyperparameters, batch_rule
+from pbt.config.ranges import base_hyperparameters, batch_rule, keep_batch_rule
 from pbt.controller.population import build_mutations
 from pbt.distributed.state import load_parameters
 from pbt.worker.task import run_task
@@ -188,3 +188,12 @@ def test_library_population_mutates_group_size_and_trains_on(tmp_path):
     assert len(batch) == 2 * size
     shared = pop.get_actions({agent: agent.sample_prompts() for agent in pop})
     assert [len(b) for b in shared.values()] == [2 * 4, 2 * size]
+
+
+def test_drawn_sizes_move_to_the_nearest_allowed_value(tmp_path):
+    manifest = _ranges(tmp_path, algorithm={"mini_batch_size": 8}, group_size={"min": 2, "max": 16})
+    ranges, rule = build_mutations(manifest).ranges, batch_rule(manifest)
+    base = base_hyperparameters(manifest)
+    assert keep_batch_rule(base | {"group_size": 5}, ranges, rule)["group_size"] == 4
+    assert keep_batch_rule(base | {"group_size": 7}, ranges, rule)["group_size"] == 8
+    assert keep_batch_rule(base | {"group_size": 12}, ranges, rule)["group_size"] == 12
