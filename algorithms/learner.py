@@ -37,6 +37,7 @@ from pbt.config import (
     OptimConfig,
     RolloutConfig,
 )
+from pbt.config.algorithm import INTEGER_HYPERPARAMETERS
 from pbt.config.errors import ConfigError, DivergedError
 from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_reduce, world_info
@@ -132,17 +133,10 @@ class Learner:
 
     def global_batch_sizes(self) -> dict[str, int]:
         """The sizes that must split evenly over the ranks: ``{config key: value}``."""
-        algo = self.algorithm
-        mini = algo.mini_batch_size or algo.batch_completions
-        return {"prompts_per_step": algo.prompts_per_step, "mini_batch_size": mini}
+        return self.algorithm.global_batch_sizes()
 
     def _check_world(self) -> None:
-        problems = [
-            f"algorithm.{key} ({value}) must be divisible by the member's {self.world_size} "
-            f"ranks; use a multiple of {self.world_size}"
-            for key, value in self.global_batch_sizes().items()
-            if value % self.world_size
-        ]
+        problems = self.algorithm.world_problems(self.world_size)
         if problems:
             raise ConfigError(problems)
 
@@ -189,20 +183,44 @@ class Learner:
 
     def apply_hyperparameters(self, values: dict[str, float]) -> None:
         """Set hyperparameters in place; a new lr lands in the optimizer and the schedule,
-        keeping Adam's moments and the schedule's position."""
+        keeping Adam's moments and the schedule's position. ``group_size`` and
+        ``prompts_per_step`` are cast to int and take effect from the next step: every step
+        reads its batch sizes and loss normalisation from the current values.
+
+        Raises:
+            ValueError: a name is not mutable for this algorithm.
+            ConfigError: a new group size or prompts per step breaks a batch rule (the
+                algorithm's, or the global batch splitting over this member's ranks); nothing
+                is changed then.
+        """
         unknown = set(values) - set(self.mutable())
         if unknown:
             raise ValueError(
                 f"not mutable for {self.name}: {sorted(unknown)}; mutable: {list(self.mutable())}"
             )
-        for name, value in values.items():
-            setattr(self._section(name), name, float(value))
+        typed = {
+            name: round(value) if name in INTEGER_HYPERPARAMETERS else float(value)
+            for name, value in values.items()
+        }
+        self._check_batch({k: v for k, v in typed.items() if k in INTEGER_HYPERPARAMETERS})
+        for name, value in typed.items():
+            setattr(self._section(name), name, value)
         if "lr" in values:
             self.scheduler.base_lrs = [self.optim_cfg.lr for _ in self.optimizer.param_groups]
             factor = self._lr_factor(self.scheduler.last_epoch)
             for group in self.optimizer.param_groups:
                 group["initial_lr"] = self.optim_cfg.lr
                 group["lr"] = self.optim_cfg.lr * factor
+
+    def _check_batch(self, sizes: dict[str, int]) -> None:
+        """Raise :class:`ConfigError` when ``sizes`` (group size, prompts per step) would break
+        a batch rule of this member."""
+        if not sizes:
+            return
+        changed = AlgorithmConfig(**(asdict(self.algorithm) | sizes))
+        problems = changed.batch_problems(self.world_size)
+        if problems:
+            raise ConfigError(problems)
 
     # -- the optimizer step ----------------------------------------------------------------
 

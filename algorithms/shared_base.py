@@ -180,7 +180,8 @@ class SharedBase:
             Request(
                 self.member(member_id).learner,
                 asked,
-                repeats=self.manifest.algorithm.group_size if training else 1,
+                # each member's own group size: it mutates between generations
+                repeats=self.member(member_id).learner.algorithm.group_size if training else 1,
                 greedy=not training,
             )
             for member_id, asked in questions.items()

@@ -111,8 +111,8 @@ CASES: dict[str, tuple[dict, str, str, str]] = {
         "mutation.ranges.lr.min", "0.001", "lower min or raise max",
     ),
     "range of a fixed hyperparameter": (
-        {"mutation": {"ranges": {"group_size": {"min": 2, "max": 8}}}},
-        "mutation.ranges.group_size", "group_size", "mutable: lr",
+        {"mutation": {"ranges": {"update_epochs": {"min": 1, "max": 4}}}},
+        "mutation.ranges.update_epochs", "update_epochs", "mutable: lr",
     ),
     "too few gpus": (
         {"launch": {"gpus_per_member": 2, "slots": 2, "gpu_ids": [0, 1]}},
@@ -210,7 +210,7 @@ def test_bad_input_gets_one_message_with_key_value_and_fix(folder, name):
     ("call", "fix"),
     [
         (dict(population_size=0), "population.size (0) must be > 0"),
-        (dict(hp_config={"group_size": {"min": 2, "max": 8}}), "not a mutable hyperparameter"),
+        (dict(hp_config={"update_epochs": {"min": 1, "max": 4}}), "not a mutable hyperparameter"),
         (dict(algo="DQN"), "algorithm.name ('DQN') must be one of"),
         (dict(INIT_HP={"LR": -1.0}), "optim.lr (-1.0) must be > 0"),
     ],

@@ -68,16 +68,16 @@ class Translation:
 
     def _fit_tournament(self) -> None:
         """AgileRL's single-agent configs pair ``POP_SIZE: 1`` with ``TOURN_SIZE: 2``; a
-        tournament cannot hold more members than the population, so it is cut to the population
-        (with a note): with one member there is nothing to select either way."""
+        tournament cannot hold more members than the population, so for a population of one it
+        is cut to one (with a note): with one member there is nothing to select either way."""
         given = {path: (value, origin) for path, value, origin in self.sets}
         size, tournament = given.get("population.size"), given.get("population.tournament_size")
         if size is None or tournament is None:
             return
         if not all(isinstance(v[0], int) and v[0] > 0 for v in (size, tournament)):
             return  # the manifest's own checks report such values
-        if tournament[0] <= size[0]:
-            return
+        if size[0] != 1 or tournament[0] <= 1:
+            return  # a real population with too large a tournament is the user's to fix
         self.sets.append(("population.tournament_size", size[0], tournament[1]))
         self.sets = [
             entry
@@ -85,8 +85,8 @@ class Translation:
             if entry[0] != "population.tournament_size" or entry[1] == size[0]
         ]
         self.notes.append(
-            f"{tournament[1]} ({tournament[0]!r}): a tournament cannot hold more than the "
-            f"{size[0]} member(s) of {size[1]}; tournament_size is {size[0]}"
+            f"{tournament[1]} ({tournament[0]!r}): a tournament cannot hold more than the one "
+            f"member of {size[1]}; tournament_size is 1"
         )
 
 

@@ -16,17 +16,26 @@ MUTABLE_HYPERPARAMETERS: dict[str, str] = {
     "max_grad_norm": "optim",
     "vf_coef": "algorithm",
     "value_clip": "algorithm",
+    "group_size": "algorithm",
+    "prompts_per_step": "algorithm",
 }
 """Hyperparameters a mutation may change between generations without breaking the run, each
 with the manifest section whose field of the same name holds it."""
+
+INTEGER_HYPERPARAMETERS = frozenset({"group_size", "prompts_per_step"})
+"""Mutable hyperparameters that are whole numbers: their ranges are ``int`` ranges, their values
+are cast to ``int`` wherever they are set, and a mutation must keep the batch rules
+(:meth:`AlgorithmConfig.batch_problems`)."""
 
 
 ALGORITHMS = ("GRPO", "REINFORCE", "PPO", "SFT", "DPO")
 
 
+_BATCH = ("group_size", "prompts_per_step")
+
 MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
-    "GRPO": ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm"),
-    "REINFORCE": ("lr", "beta", "temperature", "max_grad_norm"),
+    "GRPO": ("lr", "beta", "clip_low", "clip_high", "temperature", "max_grad_norm", *_BATCH),
+    "REINFORCE": ("lr", "beta", "temperature", "max_grad_norm", *_BATCH),
     "PPO": (
         "lr",
         "beta",
@@ -36,12 +45,15 @@ MUTABLE_BY_ALGORITHM: dict[str, tuple[str, ...]] = {
         "max_grad_norm",
         "vf_coef",
         "value_clip",
+        *_BATCH,
     ),
     "SFT": ("lr", "max_grad_norm"),
     "DPO": ("lr", "beta", "max_grad_norm"),
 }
 """Which hyperparameters mutate for each algorithm: the clip range means nothing to REINFORCE
-(no ratio), the sampling temperature nothing to SFT and DPO (no rollouts)."""
+(no ratio), the sampling temperature nothing to SFT and DPO (no rollouts). The algorithms that
+sample groups mutate ``group_size`` and ``prompts_per_step`` too, as AgileRL tunes its group
+size."""
 
 
 RL_ALGORITHMS = ("GRPO", "REINFORCE", "PPO")
@@ -122,6 +134,25 @@ class AlgorithmConfig:
         if self.name not in RL_ALGORITHMS:
             return self.prompts_per_step
         return self.prompts_per_step * self.group_size
+
+    def global_batch_sizes(self) -> dict[str, int]:
+        """The sizes that must split evenly over a member's ranks: ``{config key: value}``."""
+        mini = self.mini_batch_size or self.batch_completions
+        return {"prompts_per_step": self.prompts_per_step, "mini_batch_size": mini}
+
+    def world_problems(self, ranks: int, prefix: str = "algorithm") -> list[str]:
+        """Problems splitting the global batch over ``ranks`` ranks, one per size that does not."""
+        return [
+            f"{prefix}.{key} ({value}) must be divisible by the member's {ranks} ranks; use a "
+            f"multiple of {ranks}"
+            for key, value in self.global_batch_sizes().items()
+            if value % ranks
+        ]
+
+    def batch_problems(self, ranks: int, prefix: str = "algorithm") -> list[str]:
+        """Every rule of this config (:meth:`check`) and of its global batch over ``ranks``
+        ranks: what a mutated ``group_size`` or ``prompts_per_step`` must keep."""
+        return self.check(prefix) + self.world_problems(ranks, prefix)
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []

@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pbt.config.algorithm import MUTABLE_BY_ALGORITHM, MUTABLE_HYPERPARAMETERS
+from pbt.config.algorithm import (
+    INTEGER_HYPERPARAMETERS,
+    MUTABLE_BY_ALGORITHM,
+    MUTABLE_HYPERPARAMETERS,
+)
 from pbt.config.campaign import selection_problems
 from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
@@ -67,6 +72,25 @@ class HPRange:
         clipped = min(max(value, self.min), self.max)
         return round(clipped) if self.dtype == "int" else float(clipped)
 
+    def nearest_whole(
+        self, raw: float, old: float, direction: int, allowed: Callable[[int], bool]
+    ) -> int:
+        """The whole number in the range nearest ``raw`` that ``allowed`` accepts, on the
+        side of ``old`` that ``direction`` says (+1: above it, -1: below it, 0: anywhere), so
+        a grow or shrink of a small integer moves it at least one step; ``old`` (as an int)
+        when no such number is allowed. Ties go to the smaller number.
+        """
+        low, high = math.ceil(self.min), math.floor(self.max)
+        if direction > 0:
+            low = max(low, math.floor(old) + 1)
+        elif direction < 0:
+            high = min(high, math.ceil(old) - 1)
+        target = min(max(raw, low), high)
+        for value in sorted(range(low, high + 1), key=lambda v: (abs(v - target), v)):
+            if allowed(value):
+                return value
+        return round(old)
+
     def resample(self, rng: random.Random) -> float:
         """A fresh value from the range: uniform, or log-uniform when ``log`` is set."""
         if self.log:
@@ -80,6 +104,46 @@ def base_hyperparameters(manifest: Manifest) -> dict[str, float]:
         name: getattr(getattr(manifest, MUTABLE_HYPERPARAMETERS[name]), name)
         for name in MUTABLE_BY_ALGORITHM[manifest.algorithm.name]
     }
+
+
+def typed_range(name: str, spec: HPRange) -> HPRange:
+    """``spec`` as the range of hyperparameter ``name``: an ``int`` range for a whole-number
+    hyperparameter (``group_size``, ``prompts_per_step``), unchanged otherwise."""
+    if name in INTEGER_HYPERPARAMETERS and spec.dtype != "int":
+        return dataclasses.replace(spec, dtype="int")
+    return spec
+
+
+BatchRule = Callable[[dict[str, float]], list[str]]
+"""A member's hyperparameters -> the batch rules they break (none: they may be used)."""
+
+
+def batch_rule(manifest: Manifest, ranks: int | None = None) -> BatchRule:
+    """The rules a member's ``group_size`` and ``prompts_per_step`` must keep with the rest of
+    ``manifest`` (``AlgorithmConfig.batch_problems``: group sizes, mini- and micro-batches, and
+    the global batch splitting over ``ranks`` ranks, default the member's launch ranks)."""
+    algorithm, world = manifest.algorithm, ranks or manifest.launch.ranks
+
+    def problems(values: dict[str, float]) -> list[str]:
+        whole = {k: round(v) for k, v in values.items() if k in INTEGER_HYPERPARAMETERS}
+        return dataclasses.replace(algorithm, **whole).batch_problems(world)
+
+    return problems
+
+
+def keep_batch_rule(
+    values: dict[str, float], ranges: dict[str, HPRange], rule: BatchRule
+) -> dict[str, float]:
+    """``values`` with each whole-number hyperparameter that breaks ``rule`` moved to the
+    nearest value of its range that keeps it (drawn values, such as an initial sampler's)."""
+    kept = dict(values)
+    for name in sorted(INTEGER_HYPERPARAMETERS & set(kept) & set(ranges)):
+        if rule(kept):
+            value = kept[name]
+            kept[name] = ranges[name].nearest_whole(
+                value, value, 0, lambda v, n=name: not rule({**kept, n: v})
+            )
+    return kept
 
 
 def hp_ranges(manifest: Manifest) -> dict[str, HPRange]:
@@ -113,9 +177,30 @@ def _typed_ranges(manifest: Manifest) -> tuple[dict[str, HPRange], list[str]]:
             problems.append(
                 f"{key} ({spec!r}) must be a mapping with min and max (optional: {optional})"
             )
+        elif name in INTEGER_HYPERPARAMETERS and spec.get("dtype", "int") != "int":
+            problems.append(
+                f"{key}.dtype ({spec['dtype']!r}) must be 'int': {name} is a whole number; "
+                "remove dtype"
+            )
         else:
-            ranges[name] = HPRange(**spec)
+            ranges[name] = typed_range(name, HPRange(**spec))
     return ranges, problems
+
+
+def _whole_range_problems(manifest: Manifest, ranges: dict[str, HPRange]) -> list[str]:
+    """A whole-number range must hold a value that keeps the batch rules."""
+    rule, base = batch_rule(manifest), base_hyperparameters(manifest)
+    problems = []
+    for name in sorted(INTEGER_HYPERPARAMETERS & set(ranges)):
+        r = ranges[name]
+        values = range(math.ceil(r.min), math.floor(r.max) + 1)
+        if not any(not rule({**base, name: v}) for v in values):
+            why = rule({**base, name: values[0]})[0] if values else "it holds no whole number"
+            problems.append(
+                f"mutation.ranges.{name} (min={r.min}, max={r.max}) holds no value the batch "
+                f"rules allow (at min: {why}); widen the range"
+            )
+    return problems
 
 
 def probability_problems(no_mutation: float, rl_hp: float, resample: float) -> list[str]:
@@ -161,9 +246,8 @@ def campaign_problems(manifest: Manifest) -> list[str]:
     ranges, range_problems = _typed_ranges(manifest)
     if range_problems:
         return problems + range_problems
-    return problems + mutation_problems(
-        ranges, mut.no_mutation, mut.rl_hp, mut.resample_probability
-    )
+    problems += mutation_problems(ranges, mut.no_mutation, mut.rl_hp, mut.resample_probability)
+    return problems or _whole_range_problems(manifest, ranges)
 
 
 @dataclass(kw_only=True, slots=True)

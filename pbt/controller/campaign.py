@@ -36,7 +36,7 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
-from pbt.config.ranges import base_hyperparameters, hp_ranges
+from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.launch import (
     LocalLauncher,
@@ -153,7 +153,7 @@ class Campaign:
             search = self._search()
             members = []
             for i in range(self.manifest.population.size):
-                number, hyperparameters = search.trial_for(member_id(0, i))
+                number, hyperparameters = self._trial_for(search, member_id(0, i))
                 members.append(
                     MemberRecord(
                         member_id=member_id(0, i),
@@ -291,6 +291,13 @@ class Campaign:
             startup_trials=cfg.startup_trials,
         )
 
+    def _trial_for(self, search: OptunaSearch, member: str) -> tuple[int, dict[str, float]]:
+        """The trial ``member`` runs and its hyperparameters, a drawn group size or prompts per
+        step moved to the nearest value that keeps the batch rules."""
+        number, drawn = search.trial_for(member)
+        ranges = hp_ranges(self.manifest)
+        return number, keep_batch_rule(drawn, ranges, batch_rule(self.manifest))
+
     def _trial_root(self, m: MemberRecord) -> MemberRecord:
         """The member that started ``m``'s trial (trained from scratch)."""
         while m.parent_id is not None:
@@ -309,7 +316,7 @@ class Campaign:
             if m.collapsed:  # its trial ends, and a new one takes the slot
                 search.finish(root.member_id, fitness, "pruned")
             if search.report(root.member_id, fitness, m.generation - root.generation):
-                number, hyperparameters = search.trial_for(child_id)
+                number, hyperparameters = self._trial_for(search, child_id)
                 child = MemberRecord(
                     member_id=child_id,
                     generation=generation + 1,

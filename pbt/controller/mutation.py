@@ -7,6 +7,12 @@ the value by ``grow_factor`` or ``shrink_factor`` (even odds) or, with probabili
 ``resample_probability``, draws a fresh value from the range; the result is clipped to the
 range and cast to its dtype. Architecture mutations are not supported: the model is fixed.
 
+A whole-number hyperparameter (``group_size``, ``prompts_per_step``; an ``int`` range) moves to
+the nearest whole number on the side of its step, so a grow of 2 by 1.2 gives 3, not 2 again,
+and only to a value that keeps the batch rules (``rule``: the group size the algorithm needs,
+mini- and micro-batches dividing the batch, the global batch splitting over the member's
+ranks); when no value on that side does, it keeps its value.
+
 Every random choice goes through the ``random.Random`` passed in. Controller code: no torch.
 """
 
@@ -15,7 +21,7 @@ from __future__ import annotations
 import random
 
 from pbt.config.errors import ConfigError
-from pbt.config.ranges import HPRange, mutation_problems
+from pbt.config.ranges import BatchRule, HPRange, mutation_problems, typed_range
 from pbt.controller.selection import Selected
 
 
@@ -28,6 +34,8 @@ class Mutations:
         rl_hp: Relative weight of perturbing one hyperparameter.
         mutate_elite: Whether the elite may be mutated too (AgileRL leaves it alone).
         resample_probability: Chance a perturbation draws a fresh value instead of scaling.
+        rule: The batch rules a child's hyperparameters must keep
+            (:func:`~pbt.config.ranges.batch_rule`); None checks none.
 
     Raises:
         ConfigError: Listing every argument that breaks a rule.
@@ -40,18 +48,25 @@ class Mutations:
         rl_hp: float = 0.6,
         mutate_elite: bool = False,
         resample_probability: float = 0.0,
+        *,
+        rule: BatchRule | None = None,
     ) -> None:
         problems = mutation_problems(ranges, no_mutation, rl_hp, resample_probability)
         if problems:
             raise ConfigError(problems)
-        self.ranges = dict(ranges)
+        self.ranges = {name: typed_range(name, spec) for name, spec in ranges.items()}
+        self.rule = rule
         self.no_mutation = no_mutation
         self.rl_hp = rl_hp
         self.mutate_elite = mutate_elite
         self.resample_probability = resample_probability
 
     def mutate(
-        self, hyperparameters: dict[str, float], rng: random.Random, is_elite: bool = False
+        self,
+        hyperparameters: dict[str, float],
+        rng: random.Random,
+        is_elite: bool = False,
+        rule: BatchRule | None = None,
     ) -> tuple[dict[str, float], str]:
         """A child's hyperparameters and what was done, in words.
 
@@ -59,6 +74,7 @@ class Mutations:
             hyperparameters: The parent's values; not modified.
             rng: The campaign's seeded generator; the only source of randomness used.
             is_elite: Whether this child is the elite slot.
+            rule: The batch rules to keep, instead of the ones given at construction.
 
         Returns:
             A new dict, and ``"none"``, ``"none (elite)"``, ``"lr x1.2 (0.001 -> 0.0012)"``
@@ -73,7 +89,7 @@ class Mutations:
         if rng.random() * (self.no_mutation + self.rl_hp) < self.no_mutation:
             return child, "none"
         name = rng.choice(self._mutable_names(child))
-        return child, self._perturb(child, name, rng)
+        return child, self._perturb(child, name, rng, rule or self.rule)
 
     def mutate_population(
         self, selected: list[Selected], rng: random.Random
@@ -87,12 +103,14 @@ class Mutations:
 
         Args:
             population: A ``Population`` (or any agents with ``hyperparameters``,
-                ``set_hyperparameters``, ``is_elite`` and ``mutation``).
+                ``set_hyperparameters``, ``is_elite`` and ``mutation``); a ``batch_rule``
+                attribute, when it has one, is the batch rules its members keep.
             rng: The generator to draw from; default the population's own.
         """
         rng = rng or population.rng
+        rule = self.rule or getattr(population, "batch_rule", None)
         for agent in population:
-            values, how = self.mutate(agent.hyperparameters, rng, is_elite=agent.is_elite)
+            values, how = self.mutate(agent.hyperparameters, rng, agent.is_elite, rule)
             agent.set_hyperparameters(values)
             agent.mutation = how
         return population
@@ -108,14 +126,21 @@ class Mutations:
             )
         return names
 
-    def _perturb(self, child: dict[str, float], name: str, rng: random.Random) -> str:
+    def _perturb(
+        self, child: dict[str, float], name: str, rng: random.Random, rule: BatchRule | None
+    ) -> str:
         """Change ``child[name]`` in place; return the description."""
         spec = self.ranges[name]
         old = child[name]
         if rng.random() < self.resample_probability:
-            how, raw = "resampled", spec.resample(rng)
+            how, raw, direction = "resampled", spec.resample(rng), 0
         else:
             factor = spec.grow_factor if rng.random() < 0.5 else spec.shrink_factor
-            how, raw = f"x{factor:g}", old * factor
-        child[name] = spec.clip_cast(raw)
+            how, raw, direction = f"x{factor:g}", old * factor, (1 if factor > 1 else -1)
+        if spec.dtype == "int":
+            child[name] = spec.nearest_whole(
+                raw, old, direction, lambda v: rule is None or not rule({**child, name: v})
+            )
+        else:
+            child[name] = spec.clip_cast(raw)
         return f"{name} {how} ({old:.6g} -> {child[name]:.6g})"

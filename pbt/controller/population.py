@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.ranges import base_hyperparameters, hp_ranges
+from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller.mutation import Mutations
 from pbt.controller.search import sample_initial
 from pbt.controller.selection import Selected, TournamentSelection
@@ -22,12 +22,14 @@ def build_selection(manifest: Manifest) -> TournamentSelection:
     return TournamentSelection(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
 
 
-def build_mutations(manifest: Manifest) -> Mutations:
-    """Mutations as the manifest's mutation section says."""
+def build_mutations(manifest: Manifest, ranks: int | None = None) -> Mutations:
+    """Mutations as the manifest's mutation section says, keeping the batch rules of members
+    of ``ranks`` ranks (default: the manifest's launch ranks)."""
     mut = manifest.mutation
     return Mutations(
-        hp_ranges(manifest), mut.no_mutation, mut.rl_hp, mut.mutate_elite, mut.resample_probability
-    )
+        hp_ranges(manifest), mut.no_mutation, mut.rl_hp, mut.mutate_elite,
+        mut.resample_probability, rule=batch_rule(manifest, ranks),
+    )  # fmt: skip
 
 
 INIT_STUDY = "initial-population"
@@ -41,11 +43,12 @@ def initial_hyperparameters(manifest: Manifest, storage: str | None) -> list[dic
     ranges = hp_ranges(manifest)
     if pop.init_sampler == "none" or not ranges:
         return [dict(base) for _ in range(pop.size)]
+    rule = batch_rule(manifest)
     warm_start = None
     if pop.warm_start is not None:
         is_url = "://" in pop.warm_start
         warm_start = pop.warm_start if is_url else str(Path(manifest.base_dir) / pop.warm_start)
-    return sample_initial(
+    drawn = sample_initial(
         ranges,
         base,
         pop.size,
@@ -55,6 +58,7 @@ def initial_hyperparameters(manifest: Manifest, storage: str | None) -> list[dic
         study_name=INIT_STUDY,
         warm_start=warm_start,
     )
+    return [keep_batch_rule(values, ranges, rule) for values in drawn]
 
 
 def initial_records(manifest: Manifest, storage: str | None) -> list[MemberRecord]:

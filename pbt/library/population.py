@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
+from pbt.config.ranges import BatchRule, batch_rule
 from pbt.controller.population import breed, build_mutations, build_selection, child_record
 from pbt.protocol.records import MemberRecord, member_seed
 
@@ -280,7 +281,18 @@ class Population(Sequence[Agent]):
     @property
     def mutations(self) -> Mutations:
 
-        return build_mutations(self.manifest)
+        return build_mutations(self.manifest, self._ranks())
+
+    @property
+    def batch_rule(self) -> BatchRule:
+        """The batch rules its members' group size and prompts per step keep (what a
+        :class:`Mutations` built without a manifest checks a mutation against)."""
+        return batch_rule(self.manifest, self._ranks())
+
+    def _ranks(self) -> int | None:
+        """Ranks each member's step splits over: this process group's once the base is
+        loaded; before, None (the manifest's launch ranks)."""
+        return self._engine.world.world_size if self._engine is not None else None
 
     def evolve(self, tournament=None, mutations=None) -> Population:
         """Tournament selection, then mutation; returns this population.
