@@ -31,7 +31,7 @@ INIT_HP = {
     "EVO_STEPS": 5,
 }
 HP_CONFIG = {  # where mutation may take each hyperparameter
-    "lr": {"min": 1e-4, "max": 2e-2, "log": True},
+    "lr": {"min": 1e-3, "max": 2e-2, "log": True},
     "temperature": {"min": 0.5, "max": 1.5},
 }
 
