@@ -168,7 +168,7 @@ CAMPAIGN = {
     "task": {"name": "builtin:letters", "eval_size": 8},
     # seed 9 draws lr 0.042 for g000-m00 (it collapses) and 0.0012 for g000-m01 (it learns)
     "training": {"seed": 9, "device": "cpu"},
-    "population": {"size": 2, "tournament_size": 2, "evo_steps": 12, "init_sampler": "random"},
+    "population": {"size": 2, "tournament_size": 2, "evo_steps": 8, "init_sampler": "random"},
     "mutation": {
         "no_mutation": 1.0,
         "rl_hp": 0.0,
@@ -199,7 +199,7 @@ def test_a_campaign_ends_a_collapsing_member_early_says_why_once_and_replaces_it
     assert first.hyperparameters["lr"] > 0.03 > healthy.hyperparameters["lr"]
     assert first.collapsed and not healthy.collapsed
     assert first.metrics["trained_steps"] < CAMPAIGN["population"]["evo_steps"]
-    assert first.steps == first.metrics["trained_steps"] and healthy.steps == 12
+    assert first.steps == first.metrics["trained_steps"] and healthy.steps == 8
     assert first.metrics["zero_signal_fraction"] == 1.0 and first.fitness_history
     gen0 = [(f["member_id"], f["kind"]) for f in faults if f["generation"] == 0]
     assert gen0 == [("g000-m00", "collapsed")]  # (its replacements may collapse in turn)
@@ -208,7 +208,7 @@ def test_a_campaign_ends_a_collapsing_member_early_says_why_once_and_replaces_it
     # the controller said why, once, in the words of policy collapse
     said = [line for line in out.splitlines() if line.startswith("  g000-m00 had no signal")]
     assert len(said) == 1 and "policy collapse" in said[0], out
-    assert f"g000-m00 collapsed after {first.steps} of 12 steps" in out
+    assert f"g000-m00 collapsed after {first.steps} of 8 steps" in out
     assert "zero-signal 0." in out and "(last 1.00)" in out
     status = subprocess.run(
         [sys.executable, "-m", "pbt.cli", "status", str(directory)],

@@ -217,5 +217,10 @@ def test_reward_files_load_only_from_where_the_manifest_says(tmp_path, monkeypat
     fn = load_reward_fn(ref, folder)
     assert fn("x", "y", "z") == 1.0
     assert not marker.exists()
-    user = [name for name in sys.modules if "rewards" in name and not name.startswith("pbt.")]
-    assert not user  # nothing left to import later
+    # nothing left to import later: no module of that name, none loaded from the decoy folder
+    assert "rewards" not in sys.modules
+    assert not [
+        name
+        for name, module in list(sys.modules.items())
+        if str(getattr(module, "__file__", None) or "").startswith(str(decoy))
+    ]

@@ -163,9 +163,15 @@ def read(task_dir: str | Path, log_tail: str = "") -> tuple[FaultKind, str] | No
     fault = read_json(Path(task_dir) / FAULT_FILE)
     if fault is not None and fault.get("kind") in KINDS:
         return fault["kind"], str(fault.get("error", ""))
+    # a cause of no known kind that still reads as memory (an allocator's words, where the
+    # error's type is not one classify() knows) counts as out of memory
+    cause = "" if fault is None else str(fault.get("cause") or "")
+    if _OOM_LAST_LINE.match(cause) or _OOM_TEXT.search(cause):
+        return "out_of_memory", cause
     lines = log_tail.strip().splitlines()
-    if lines and _OOM_LAST_LINE.match(lines[-1]):
-        return "out_of_memory", lines[-1]
+    last = [line for line in lines[-3:] if _OOM_LAST_LINE.match(line)]
+    if last:
+        return "out_of_memory", last[-1]
     full = [line for line in lines if _DISK_FULL_TEXT.search(line)]
     if full:
         return "disk_full", full[-1]
