@@ -74,16 +74,23 @@ def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_fitness_improves_and_a_killed_member_is_retried(manifest: Path, tmp_path: Path):
-    directory = tmp_path / "straight"
+@pytest.fixture(scope="module")
+def reference(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The campaign run straight through, every member in a process of its own, one member
+    (g001-m02) killed mid-task and retried from its parent: its directory and its output."""
+    directory = tmp_path_factory.mktemp("reference") / "campaign"
     proc = subprocess.Popen(
         [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.PIPE, text=True
     )
     _wait_for(directory / "tasks" / "g001-m02" / "heartbeat", proc)
-    time.sleep(1.0)
-    _kill_worker("g001-m02/task.json")
+    _kill_worker("g001-m02/task.json")  # at once: a task of 4 steps is over in seconds
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
+    return directory, out
+
+
+def test_fitness_improves_and_a_killed_member_is_retried(reference: tuple[Path, str]):
+    directory, out = reference
     assert "stopped: 3 generations done" in out and "lineage of the best member" in out
     with CampaignStore(directory / "store.db") as store:
         members = store.members()
@@ -116,13 +123,12 @@ def test_fitness_improves_and_a_killed_member_is_retried(manifest: Path, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def reference(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The campaign run straight through, every member in a process of its own."""
-    straight = tmp_path_factory.mktemp("reference") / "campaign"
-    subprocess.run(
-        [*PBT, "run", str(manifest), "--dir", str(straight)], check=True, capture_output=True
-    )
-    return straight
+def persistent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The manifest with ``launch.persistent_workers``: one worker group per slot."""
+    path = tmp_path_factory.mktemp("p") / "persistent.yaml"
+    launch = {**MANIFEST["launch"], "persistent_workers": True}
+    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    return path
 
 
 def _digests(directory: Path) -> dict[str, str | None]:
@@ -130,16 +136,16 @@ def _digests(directory: Path) -> dict[str, str | None]:
         return {m.member_id: m.checkpoint_digest for m in store.members()}
 
 
-def test_long_lived_workers_train_the_same_members(reference: Path, tmp_path: Path):
+def test_long_lived_workers_train_the_same_members(
+    reference: tuple[Path, str], persistent: Path, tmp_path: Path
+):
     """``launch.persistent_workers``: one worker group per slot serves every task of the
     campaign on a model loaded once, and every member comes out bit for bit as it does from a
     process of its own: the same decisions, fitness and checkpoint digests."""
-    path = tmp_path / "persistent.yaml"
-    launch = {**MANIFEST["launch"], "persistent_workers": True}
-    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    reference = reference[0]
     directory = tmp_path / "campaign"
     proc = subprocess.run(
-        [*PBT, "run", str(path), "--dir", str(directory)], capture_output=True, text=True,
+        [*PBT, "run", str(persistent), "--dir", str(directory)], capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -160,15 +166,18 @@ def _alive(pgid_file: Path) -> bool:
 
 
 def test_killed_controller_resumes_to_the_same_decisions(
-    manifest: Path, reference: Path, tmp_path: Path
+    persistent: Path, reference: tuple[Path, str], tmp_path: Path
 ):
-    straight = reference
+    """A controller SIGKILLed mid-generation (its long-lived workers orphaned), then resumed,
+    makes exactly the decisions of the uninterrupted run (whose members each ran in a process
+    of their own: the two modes train the same members, as the test above shows)."""
+    straight = reference[0]
     directory = tmp_path / "killed"
     proc = subprocess.Popen(
-        [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.DEVNULL
+        [*PBT, "run", str(persistent), "--dir", str(directory)], stdout=subprocess.DEVNULL
     )
-    _wait_for(directory / "tasks" / "g001-m01" / "heartbeat", proc)
-    time.sleep(1.0)
+    # long-lived workers turn tasks around in about a second: kill as generation 1 starts
+    _wait_for(directory / "tasks" / "g001-m00" / "heartbeat", proc)
     proc.kill()  # SIGKILL: its members live on as orphans, which the resumed controller ends
     proc.wait()
     with CampaignStore(directory / "store.db") as store:
