@@ -118,24 +118,6 @@ def test_campaign_logs_to_a_real_mlflow_server(tmp_path, server, monkeypatch):
     _check_everything_arrived(server.uri, directory)
 
 
-def test_campaign_survives_a_tracking_outage(tmp_path, server):
-    """The server goes down after generation 0 and comes back a while later: the campaign runs
-    on at full speed, and every run, tag and metric arrives."""
-    directory = tmp_path / "c"
-    manifest = _manifest(tmp_path, tracking={"uri": server.uri})
-    proc = start_campaign(manifest, directory, FAKE, 3, stdout=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not (directory / "checkpoints" / "g000-m02").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    server.stop()
-    time.sleep(8)  # generation 1 trains while nothing answers
-    assert proc.poll() is None, "the campaign stopped when the tracking server did"
-    server.start()
-    assert proc.wait(timeout=180) == 0
-    _check_everything_arrived(server.uri, directory)
-
-
 def _committed(directory: Path) -> int:
     """The campaign's last committed generation; -1 before generation 0 is."""
     if not (directory / "store.db").exists():
@@ -151,8 +133,8 @@ MEMBER_S = 15.0
 
 def test_campaign_survives_a_minute_long_tracking_outage(tmp_path, server):
     """The server is down for over a minute, from the end of generation 0: the campaign trains
-    on without waiting (three or more generations commit while nothing answers), and once the
-    server is back every run, tag and metric arrives."""
+    on without waiting (three or more generations commit while nothing answers; it neither
+    stops nor finishes), and once the server is back every run, tag and metric arrives."""
     directory = tmp_path / "c"
     manifest = _manifest(tmp_path, tracking={"uri": server.uri}, budget={"generations": 7})
     proc = start_campaign(manifest, directory, FAKE, MEMBER_S, stdout=subprocess.PIPE)
