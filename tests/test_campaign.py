@@ -20,6 +20,8 @@ from pbt.controller.campaign import Campaign
 from pbt.controller.report import lineage_png, lineage_text, status_text
 from pbt.controller.store import CampaignStore
 
+pytestmark = pytest.mark.integration  # each test runs real processes (controller, members)
+
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 
 MANIFEST = {

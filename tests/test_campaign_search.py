@@ -19,6 +19,8 @@ from pbt.controller.campaign import POPULATION_STUDY, SEARCH_STUDY, Campaign
 from pbt.controller.population import INIT_STUDY
 from pbt.controller.store import CampaignStore
 
+pytestmark = pytest.mark.integration  # each test runs real processes (controller, members)
+
 FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
 MANIFEST = {
     "INIT_HP": {"TOURNAMENT_SIZE": 2, "EVO_STEPS": 2, "LR": 1e-4},
@@ -108,7 +110,6 @@ def test_optuna_strategy_prunes_and_replaces_trials(tmp_path):
     assert len(_study(directory, SEARCH_STUDY).trials) == count
 
 
-@pytest.mark.integration
 def test_optuna_dashboard_shows_the_campaign_studies(tmp_path):
     directory = _run(
         tmp_path,

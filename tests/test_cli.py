@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 from peft import PeftModel
@@ -25,6 +26,7 @@ def _pbt(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_inspect_export_and_merge(tmp_path):
     member = Member(small_manifest(tmp_path), torch.device("cpu"), member_id="g004-m01")
     member.learner.train_step(member.task.train, member.task.reward)

@@ -87,6 +87,7 @@ def test_target_is_censored_at_the_budget() -> None:
     assert rows["random"]["final_mean"] == pytest.approx(0.6)
 
 
+@pytest.mark.integration
 def test_real_campaigns_spend_equal_budgets_and_fill_the_table(tmp_path: Path) -> None:
     model = harness.warm_model(MICRO, "cpu")
     strategies = ("pbt", "random")

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pbt.algorithms.checkpoint import load_checkpoint
 from pbt.controller.launch import PersistentLauncher, TaskSpec, member_command
 from pbt.protocol.files import RELEASED, write_json_atomic
+
+pytestmark = pytest.mark.integration  # each test runs a real long-lived worker under torchrun
 
 MANIFEST = {
     "model": {"name": "builtin:tiny"},
