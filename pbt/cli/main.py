@@ -41,7 +41,9 @@ def _check(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     if manifest.task.train is not None:
         _check_rows(manifest)
-    print(json.dumps(dataclasses.asdict(manifest), indent=2))
+    settings = dataclasses.asdict(manifest)
+    settings.pop("translation_notes")  # printed as notes below
+    print(json.dumps(settings, indent=2))
     _print_notes(manifest)
     print(f"{args.manifest}: valid", file=sys.stderr)
     return 0
