@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
-import string
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 import datasets
 import numpy as np
 
-from pbt.algorithms.examples import Example
+from pbt.algorithms.data_fields import (
+    Row,
+    check_fields,
+    check_template,
+    required_fields,
+)
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.task import HUB_PREFIX
@@ -40,7 +43,6 @@ SPLIT_SALT = zlib.crc32(b"task split")
 """Keeps the split's stream apart from every other use of ``training.seed``."""
 
 T = TypeVar("T")
-Row = dict[str, Any]
 
 
 class Rows(Sequence[T]):
@@ -216,95 +218,6 @@ def _parse_problem(path: Path, where: str, builder: str, err: Exception) -> str:
 def _first_line(err: BaseException) -> str:
     cause = err.__cause__ or err
     return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-
-
-# -- fields and prompts ------------------------------------------------------------------
-
-
-def required_fields(cfg: TaskConfig, algorithm: str) -> dict[str, str]:
-    """``{manifest key: field name}`` that every row must have for ``algorithm``."""
-    if algorithm == "SFT":
-        keys = ["prompt_field", "response_field"]
-    elif algorithm == "DPO":
-        keys = ["prompt_field", "chosen_field", "rejected_field"]
-    else:
-        keys = ["question_field", "answer_field"]
-    if algorithm in ("SFT", "DPO") and cfg.prompt_template is not None:
-        keys.remove("prompt_field")
-    return {f"task.{k}": getattr(cfg, k) for k in keys}
-
-
-def check_fields(found: Sequence[str], wanted: dict[str, str], where: str) -> None:
-    """Every wanted field is among ``found``.
-
-    Raises:
-        ConfigError: one problem per missing field, listing the fields the rows have.
-    """
-    have = ", ".join(found)
-    problems = [
-        f"{key} ({name!r}) is not a field of {where}; its rows have: {have}; set {key} to one "
-        "of them, or rename the field in the file"
-        for key, name in wanted.items()
-        if name not in found
-    ]
-    if problems:
-        raise ConfigError(problems)
-
-
-def template_fields(template: str) -> list[str]:
-    """The row fields ``task.prompt_template`` names.
-
-    Raises:
-        ConfigError: not a format string, or a positional ``{}`` field.
-    """
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as err:
-        raise ConfigError(
-            [
-                f"task.prompt_template ({template!r}) is not a format string ({err}); write "
-                "{field} for a row's field and {{ or }} for a literal brace"
-            ]
-        ) from None
-    names = [re.split(r"[.\[]", name)[0] for _, name, _, _ in parsed if name is not None]
-    if any(not name or name.isdigit() for name in names):
-        raise ConfigError(
-            [
-                f"task.prompt_template ({template!r}) has a positional field ({{}}); name the "
-                "row's field, e.g. {question}"
-            ]
-        )
-    return names
-
-
-def check_template(template: str | None, found: Sequence[str], where: str) -> None:
-    """Every field the template names is a field of the rows."""
-    if template is None:
-        return
-    unknown = [name for name in template_fields(template) if name not in found]
-    if unknown:
-        raise ConfigError(
-            [
-                f"task.prompt_template ({template!r}) names {', '.join(map(repr, unknown))}, not a "
-                f"field of {where}; its rows have: {', '.join(found)}; fix the template"
-            ]
-        )
-
-
-def user_turn(cfg: TaskConfig, field: str) -> Callable[[Row], str | None]:
-    """A row's user turn: the template filled from the row, or None (``field`` as is)."""
-    template = cfg.prompt_template
-    if template is None:
-        return lambda row: None
-    return lambda row: template.format(**row)
-
-
-def rl_example(cfg: TaskConfig) -> Callable[[Row], Example]:
-    """Makes an RL row into an :class:`Example`: the question and answer fields as they are,
-    the prompt from ``task.prompt_template``, the system turn from ``task.system_prompt``."""
-    question, answer, system = cfg.question_field, cfg.answer_field, cfg.system_prompt
-    prompt = user_turn(cfg, question)
-    return lambda row: Example(row[question], row[answer], prompt(row), system)
 
 
 # -- the split ---------------------------------------------------------------------------

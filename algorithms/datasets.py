@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from pbt.algorithms.data_fields import user_turn
 from pbt.algorithms.examples import Chat, chat_turns
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.algorithms.tasks import LETTERS, load_task
@@ -164,7 +165,7 @@ def _letters_preference(example, rng: random.Random) -> PreferenceExample:
 
 def _load_rows(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: str) -> Dataset:
     """The user's rows through :func:`pbt.algorithms.data.load_rows`."""
-    from pbt.algorithms.data import load_rows, user_turn
+    from pbt.algorithms.data import load_rows
 
     template = user_turn(cfg, cfg.prompt_field)
     prompt, system = cfg.prompt_field, cfg.system_prompt

@@ -30,6 +30,7 @@ from pbt.algorithms.builtin.letters import (
     letters_problems,
     letters_reward,
 )
+from pbt.algorithms.data_fields import check_template, rl_example
 from pbt.algorithms.examples import Example
 from pbt.algorithms.reasoning_gym import reasoning_gym_split
 from pbt.algorithms.rewards import Reward, RewardFn, RewardTerm, build_reward
@@ -85,7 +86,7 @@ def _file_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
                 "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             ]
         )
-    from pbt.algorithms.data import load_rows, rl_example
+    from pbt.algorithms.data import load_rows
 
     train, eval_ = load_rows(cfg, base_dir, seed, "GRPO", rl_example(cfg))
     return Task(cfg.source, train, eval_, build_reward(cfg, base_dir, None))
@@ -101,7 +102,6 @@ def _reasoning_gym_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Tas
 def _dress(examples: Sequence[Example], cfg: TaskConfig) -> list[Example]:
     """Built-in or reasoning-gym rows with the manifest's system prompt and prompt template (over
     the fields ``question`` and ``answer``)."""
-    from pbt.algorithms.data import check_template
 
     fields = ["question", "answer"]
     check_template(cfg.prompt_template, fields, f"task.name ({cfg.source!r})")
