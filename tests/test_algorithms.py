@@ -166,7 +166,9 @@ def test_campaign_of_an_algorithm(tmp_path, variant):
     data |= {
         "population": {"size": 2, "tournament_size": 2, "evo_steps": 2},
         "budget": {"generations": 2},
-        "launch": {"slots": 2},
+        # long-lived workers: each algorithm through the slot inbox; a process per task is the
+        # torchrun campaign tests' reference
+        "launch": {"slots": 2, "persistent_workers": True},
         "tracking": {"enabled": False},
     }
     path = tmp_path / "m.yaml"
