@@ -78,12 +78,8 @@ class Translation:
             return  # the manifest's own checks report such values
         if size[0] != 1 or tournament[0] <= 1:
             return  # a real population with too large a tournament is the user's to fix
-        self.sets.append(("population.tournament_size", size[0], tournament[1]))
-        self.sets = [
-            entry
-            for entry in self.sets
-            if entry[0] != "population.tournament_size" or entry[1] == size[0]
-        ]
+        self.sets = [entry for entry in self.sets if entry[0] != "population.tournament_size"]
+        self.sets.append(("population.tournament_size", 1, tournament[1]))
         self.notes.append(
             f"{tournament[1]} ({tournament[0]!r}): a tournament cannot hold more than the one "
             f"member of {size[1]}; tournament_size is 1"
