@@ -10,6 +10,8 @@
     pbt dashboard DIR [--port P]     optuna-dashboard on a campaign's studies
     pbt train [MANIFEST]             train one member on its own
     pbt check MANIFEST               validate a manifest
+    pbt stop DIR                     interrupt a campaign's controller and end its members
+    pbt submit MANIFEST --dir DIR    run the controller itself as a Slurm job
 
 User errors print one clear message and exit with status 2; no traceback.
 """
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from pbt import __version__
+from pbt.cli import cluster
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
@@ -125,6 +128,23 @@ def _drive(campaign) -> int:
     return 0
 
 
+def _stop(args: argparse.Namespace) -> int:
+
+    for line in cluster.stop(Path(args.dir)):
+        print(line)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+
+    directory = Path(args.dir)
+    job, script = cluster.submit(Path(args.manifest), directory, args.time)
+    print(f"submitted the controller as Slurm job {job} ({script})")
+    print(f"watch it: pbt status {directory} | tail -f {directory / 'controller.log'}")
+    print(f"stop it:  pbt stop {directory}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
 
     print(status_text(Path(args.dir)))
@@ -178,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (
         ("resume", _resume, "continue a campaign"),
         ("status", _status, "show a campaign's state"),
+        ("stop", _stop, "interrupt a campaign's controller and end its members"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("dir")
@@ -211,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
 
     train_parser(sub.add_parser("train", help="train one member")).set_defaults(func=_train)
+    submit = sub.add_parser("submit", help="run a campaign's controller as a Slurm job")
+    submit.add_argument("manifest")
+    submit.add_argument("--dir", required=True, help="campaign directory (on a shared disk)")
+    submit.add_argument("--time", help="the controller job's --time (default: the partition's)")
+    submit.set_defaults(func=_submit)
     check = sub.add_parser("check", help="validate a manifest")
     check.add_argument("manifest")
     check.set_defaults(func=_check)

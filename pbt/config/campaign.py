@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,10 +136,92 @@ MIN_MEMORY_LIMIT_GIB = 0.25
 """The lowest ``launch.memory_limit_gib``: below it not even a small member program starts."""
 
 
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^(UNLIMITED|INFINITE)$")
+"""Slurm's ``--time`` forms: minutes, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SlurmConfig:
+    """Where and how member jobs are submitted when ``launch.backend`` is ``slurm``."""
+
+    partition: str | None = None
+    """``--partition``; None: the cluster's default partition."""
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = "04:00:00"
+    """``--time`` of each member job (a long-lived worker job: of the worker). Past it Slurm
+    ends the job and the attempt is recorded as ``timeout``."""
+    nodes_per_member: int = 1
+    """Nodes of each member job: ``srun`` starts one torchrun agent per node, which meet over
+    c10d with the first node of the allocation as the endpoint and the job id as the
+    rendezvous id."""
+    gpus_per_node: int | None = None
+    """GPUs each node gives a member (``--gpus-per-node``); default ``gpus_per_member /
+    nodes_per_member``."""
+    tasks_per_node: int = 1
+    """torchrun agents per node. 1 on a real cluster; 2 lets one host stand in for two nodes
+    (each agent then runs half the node's ranks), which is how the tests check multi-node
+    members on a single machine."""
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    """``--mem`` per node, e.g. ``"64G"``; past it Slurm ends the job (``out_of_memory``)."""
+    constraint: str | None = None
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` options, each as written after it, e.g. ``["--exclusive"]``."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run first in every job, e.g. ``module load cuda`` or ``source venv/bin/activate``."""
+    poll_s: float = 2.0
+    """Seconds between two looks at the queue (one ``squeue`` for all the campaign's jobs)."""
+
+    def check(self, prefix: str, launch: LaunchConfig) -> list[str]:
+        problems: list[str] = []
+        positive(problems, f"{prefix}.nodes_per_member", self.nodes_per_member)
+        positive(problems, f"{prefix}.tasks_per_node", self.tasks_per_node)
+        positive(problems, f"{prefix}.poll_s", self.poll_s)
+        if self.cpus_per_task is not None:
+            positive(problems, f"{prefix}.cpus_per_task", self.cpus_per_task)
+        if self.time is not None and not _SLURM_TIME.match(self.time):
+            problems.append(
+                f'{prefix}.time ({self.time!r}) is not a Slurm time; write minutes, "MM:SS", '
+                '"HH:MM:SS" or "D-HH:MM:SS", e.g. time: "04:00:00"'
+            )
+        for i, line in enumerate(self.extra_sbatch):
+            if not line.startswith("-"):
+                problems.append(
+                    f"{prefix}.extra_sbatch[{i}] ({line!r}) must be an sbatch option as written "
+                    'after #SBATCH, starting with "-", e.g. "--exclusive"'
+                )
+        agents = self.nodes_per_member * self.tasks_per_node
+        if launch.gpus_per_member:
+            per_node = self.gpus_per_node or launch.gpus_per_member // max(1, self.nodes_per_member)
+            if per_node * self.nodes_per_member != launch.gpus_per_member:
+                problems.append(
+                    f"launch.gpus_per_member ({launch.gpus_per_member}) must be "
+                    f"{prefix}.nodes_per_member ({self.nodes_per_member}) x gpus_per_node "
+                    f"({per_node}); change one of them"
+                )
+            elif per_node % self.tasks_per_node:
+                problems.append(
+                    f"{prefix}.tasks_per_node ({self.tasks_per_node}) must divide the GPUs of a "
+                    f"node ({per_node})"
+                )
+        elif agents > 0 and launch.nproc_per_member % agents:
+            problems.append(
+                f"launch.nproc_per_member ({launch.nproc_per_member}) must be a multiple of the "
+                f"member's torchrun agents ({prefix}.nodes_per_member x tasks_per_node = "
+                f"{agents}); each agent runs the same number of ranks"
+            )
+        return problems
+
+
 @dataclass(kw_only=True, slots=True)
 class LaunchConfig:
     """How member tasks are run."""
 
+    backend: Literal["local", "slurm"] = "local"
+    """``local``: each member a process group on this machine; ``slurm``: each member task a
+    Slurm job (see ``launch.slurm``), the controller anywhere that can run ``sbatch``."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     gpus_per_member: int = 0
     """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
     nproc_per_member: int = 1
@@ -180,6 +263,18 @@ class LaunchConfig:
                 f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) must be at least "
                 f"{MIN_MEMORY_LIMIT_GIB} GiB (a member process imports torch in about half a "
                 "GiB); raise it, or leave it unset for no limit"
+            )
+        if self.backend == "slurm":
+            problems += self.slurm.check(f"{prefix}.slurm", self)
+        if self.backend == "slurm" and self.gpu_ids is not None:
+            problems.append(
+                f"{prefix}.gpu_ids ({self.gpu_ids}) is for the local backend; on Slurm the "
+                "scheduler gives each job its GPUs: drop gpu_ids"
+            )
+        if self.backend == "slurm" and self.memory_limit_gib is not None:
+            problems.append(
+                f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) is for the local backend; "
+                f'on Slurm give {prefix}.slurm.mem (per node, e.g. "64G") instead'
             )
         if self.gpu_ids is not None and len(self.gpu_ids) < self.slots * self.gpus_per_member:
             problems.append(

@@ -28,6 +28,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -37,13 +38,13 @@ from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
+from pbt.controller import slurm
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.launch import (
     LocalLauncher,
     Outcome,
     PersistentLauncher,
     TaskSpec,
-    kill_orphan,
     member_command,
 )
 from pbt.controller.population import (
@@ -134,7 +135,7 @@ class Campaign:
             raise PbtError(
                 f"{directory} already holds a campaign; continue it with: pbt resume {directory}"
             )
-        if directory.exists() and any(directory.iterdir()):
+        if directory.exists() and any(p.name not in SUBMIT_FILES for p in directory.iterdir()):
             raise PbtError(f"{directory} is not empty; choose a new campaign directory")
         read = read_manifest_file(manifest_path)
         raw = {"manifest": read.sections, "base_dir": read.manifest.base_dir}
@@ -405,19 +406,36 @@ class Campaign:
         gpu_seconds = 0.0
         pending = [m for m in self.store.members(generation) if m.status != "done"]
         total = len(self.store.members(generation))
-        for m in pending:  # members a crashed controller left running must not race their retry
-            if m.status == "running" and kill_orphan(self.dir / "tasks" / m.member_id):
-                self.say(f"  ended {m.member_id}'s process left by the previous controller")
+        launcher, backend = self._launcher(), launch.backend
+        adopted: dict[str, str] = {}
+        for m in pending:  # what a crashed controller left running must not race its retry
+            if m.status == "running":
+                job = launcher.take_over(self.dir / "tasks" / m.member_id)
+                if job is not None:
+                    adopted[m.member_id] = job
+                    self.say(
+                        f"  {m.member_id}: adopting job {job}, left by the previous controller"
+                    )
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
         self.log.members_started(pending)
+        attempts: dict[str, int] = {}
+
+        def started(task: TaskSpec, _slot: int) -> None:
+            if task.adopt is None:
+                job = launcher.started[task.task_id]
+                self.store.record_launch(task.task_id, attempts[task.task_id], backend, job)
+            crash_point("task")
+
         while pending:
             for m in pending:
-                m.attempts += 1
+                if m.member_id not in adopted:
+                    m.attempts += 1
                 m.status = "running"
                 self.store.update_member(m)
             crash_point("launch")
-            tasks = [self._task(m) for m in pending]
-            outcomes = self._launcher().run(tasks, on_start=lambda *_: crash_point("task"))
+            tasks = [self._task(m, adopted.pop(m.member_id, None)) for m in pending]
+            attempts.update({m.member_id: m.attempts for m in pending})
+            outcomes = launcher.run(tasks, on_start=started)
             retry, disk_full, lost = [], None, []
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
@@ -462,7 +480,7 @@ class Campaign:
         detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
         return replace(outcome, status="bad_result", detail=detail)
 
-    def _task(self, m: MemberRecord) -> TaskSpec:
+    def _task(self, m: MemberRecord, adopt: str | None = None) -> TaskSpec:
         plain_name(m.member_id, f"a member id in {self.store.path}")
         if m.parent_checkpoint:
             self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
@@ -486,9 +504,8 @@ class Campaign:
         )
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        return TaskSpec(
-            task_id=m.member_id, task_dir=task_dir, log_path=log, nproc=self.manifest.launch.ranks
-        )
+        nproc = self.manifest.launch.ranks
+        return TaskSpec(m.member_id, task_dir, log_path=log, nproc=nproc, adopt=adopt)
 
     def _training_section(self) -> dict[str, Any]:
         """The members' schedule spans the whole campaign, not one generation."""
@@ -517,6 +534,12 @@ class Campaign:
         kind, extra = LocalLauncher, {}
         if launch.persistent_workers:
             kind, extra = PersistentLauncher, {"workers_dir": self.dir / "workers"}
+        if launch.backend == "slurm":
+            command = self.member_command or slurm.slurm_member_command()
+            kind = (
+                slurm.SlurmPersistentLauncher if launch.persistent_workers else slurm.SlurmLauncher
+            )
+            extra |= {"slurm": launch.slurm, "name": f"pbt-{self.dir.resolve().name}"}
         return kind(
             command,
             **extra,
@@ -657,6 +680,10 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+SUBMIT_FILES = frozenset({"controller.sbatch", "controller.log"})
+"""What ``pbt submit`` puts in a campaign folder before its controller job creates the campaign."""
+
+
 def _acquire_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = path.open("a+")
@@ -665,7 +692,35 @@ def _acquire_lock(path: Path):
     except BlockingIOError:
         handle.close()
         raise PbtError(f"another controller is running this campaign ({path} is locked)") from None
+    handle.seek(0)
+    handle.truncate()
+    who = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+    }
+    handle.write(json.dumps(who))
+    handle.flush()
     return handle
+
+
+def controller_running(directory: Path) -> dict[str, Any] | None:
+    """Who holds the campaign's lock (``pid``, ``host``, ``slurm_job``), or None when no
+    controller runs it."""
+    path = Path(directory) / "controller.lock"
+    if not path.exists():
+        return None
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            try:
+                return json.loads(handle.read() or "{}")
+            except json.JSONDecodeError:
+                return {}
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
 
 
 def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:

@@ -8,7 +8,8 @@ The protocol, all JSON files in one task directory, all written atomically:
 
 :class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
 the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
-rendezvous port, and the rest queue. A cluster launcher keeps the same ``run`` contract.
+rendezvous port, and the rest queue. :mod:`pbt.controller.slurm` runs the same tasks as Slurm
+jobs behind the same ``run`` contract; a process group there is a job.
 
 A member that fails for want of memory or disk, because its training diverged, because a
 reward function failed, or on a configuration error, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
@@ -44,6 +45,8 @@ from pbt.protocol.files import RELEASED, read_json, write_json_atomic
 
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
+JOB_CANCEL_WAIT_S = 120.0
+"""Seconds to wait for a cancelled job to end (Slurm's KillWait is 30 s by default)."""
 LOG_TAIL_LINES = 20
 _AGENT_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 """The worker's exit code in torchrun's failure summary (its first observed failure first)."""
@@ -60,6 +63,9 @@ OutcomeStatus = Literal[
     "diverged",
     "reward_error",
     "config_error",
+    "cancelled",
+    "preempted",
+    "node_fail",
 ]
 STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
@@ -92,6 +98,9 @@ class TaskSpec:
     """Receives this attempt's stdout and stderr."""
     nproc: int = 1
     """Processes (ranks) in the task's torchrun group."""
+    adopt: str | None = None
+    """A job a previous controller started for this very attempt, to watch instead of starting
+    one (see :meth:`LocalLauncher.take_over`); local process groups are never adopted."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,8 @@ class LocalLauncher:
         self.heartbeat_timeout_s, self.task_timeout_s = heartbeat_timeout_s, task_timeout_s
         self.poll_s, self.base_port, self.env = poll_s, base_port, dict(env or {})
         self.memory_limit_bytes = memory_limit_bytes
+        self.started: dict[str, str] = {}
+        """Task id -> the process group id (or job id) that runs its latest attempt."""
         self.slot_gpus = [
             ",".join(str(g) for g in ids[i * gpus_per_member : (i + 1) * gpus_per_member])
             for i in range(slots)
@@ -203,6 +214,7 @@ class LocalLauncher:
                     index, task = queue.popleft()
                     slot = free.pop(0)
                     running.append(self._start(index, task, slot, {r.port for r in running}))
+                    self.started[task.task_id] = str(running[-1].proc.pid)
                     if on_start is not None:
                         on_start(task, slot)
                 for item in list(running):
@@ -251,9 +263,20 @@ class LocalLauncher:
             (task_dir / stale).unlink(missing_ok=True)
         port = self._pick_port(slot, taken_ports)
         proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
-        # the group id outlives this controller: a resumed one reads it to end orphans
-        (task_dir / "pgid").write_text(str(proc.pid))
+        self._record(proc, task_dir)
         return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
+
+    def _record(self, proc: Any, folder: Path) -> None:
+        """Leave the group's id in ``folder``: it outlives this controller, and a resumed one
+        reads it to end orphans."""
+        (folder / "pgid").write_text(str(proc.pid))
+
+    def take_over(self, task_dir: Path) -> str | None:
+        """What a crashed controller left running for ``task_dir``: the id of a job to adopt,
+        or None once nothing of it runs any more. Local process groups are ended (a resumed
+        controller cannot wait on a process it did not start); the Slurm launcher adopts."""
+        kill_orphan(task_dir)
+        return None
 
     def _popen(
         self, slot: int, nproc: int, port: int, tail: list[str], log_path: Path
@@ -306,6 +329,9 @@ class LocalLauncher:
 
     def _overdue(self, item: _Running) -> tuple[OutcomeStatus, str] | None:
         """Why a still-running task must be killed now, or None."""
+        if self._waiting(item):  # queued by a scheduler: its clocks start when it runs
+            item.started, item.started_wall = time.monotonic(), time.time()
+            return None
         elapsed = time.monotonic() - item.started
         if self.task_timeout_s is not None and elapsed > self.task_timeout_s:
             return "timeout", f"ran {elapsed:.1f} s > task_timeout_s {self.task_timeout_s:g}"
@@ -317,6 +343,10 @@ class LocalLauncher:
                 f"no heartbeat for {silent:.1f} s > heartbeat_timeout_s {limit:g}",
             )
         return None
+
+    def _waiting(self, item: _Running) -> bool:
+        """Whether ``item`` waits for resources (a queued job); never for a local group."""
+        return False
 
     def _outcome(
         self,
@@ -379,8 +409,10 @@ class PersistentLauncher(LocalLauncher):
         self.idle_timeout_s = idle_timeout_s
         self._workers: dict[int, _Worker] = {}
         for slot in range(self.slots):  # groups a crashed controller left behind
-            folder = self._folder(slot)
-            kill_orphan(folder, names=folder)
+            self._end_orphan_worker(self._folder(slot))
+
+    def _end_orphan_worker(self, folder: Path) -> None:
+        kill_orphan(folder, names=folder)
 
     def _folder(self, slot: int) -> Path:
         return self.workers_dir / f"slot{slot}"
@@ -409,7 +441,7 @@ class PersistentLauncher(LocalLauncher):
         port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
         tail = ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
         proc = self._popen(slot, nproc, port, tail, folder / "worker.log")
-        (folder / "pgid").write_text(str(proc.pid))
+        self._record(proc, folder)
         worker = _Worker(slot, nproc, port, proc, folder)
         self._workers[slot] = worker
         return worker
@@ -542,11 +574,25 @@ def _last_beat(path: Path, started_wall: float) -> float:
         return started_wall
 
 
-def _kill_groups(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+def _kill_groups(procs: list[Any]) -> list[int]:
     """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
 
-    The groups share one grace period, so stopping many tasks takes no longer than one.
+    The groups share one grace period, so stopping many tasks takes no longer than one. A job
+    (anything with ``cancel``, e.g. a Slurm job) is cancelled instead, and waited for.
     """
+    for proc in procs:
+        if hasattr(proc, "cancel") and proc.poll() is None:
+            proc.cancel()
+    jobs = {id(p) for p in procs if hasattr(p, "cancel")}
+    if jobs:
+        codes = {}
+        for proc in procs:
+            if id(proc) in jobs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    codes[id(proc)] = proc.wait(JOB_CANCEL_WAIT_S)
+        rest = _kill_groups([p for p in procs if id(p) not in jobs])
+        it = iter(rest)
+        return [codes.get(id(p), -signal.SIGKILL) if id(p) in jobs else next(it) for p in procs]
     for proc in procs:
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)

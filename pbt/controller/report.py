@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from pbt.config.errors import PbtError
+from pbt.controller.slurm import WAITING, read_job
 from pbt.controller.store import STORE_FILENAME, CampaignStore
 from pbt.protocol.records import MemberRecord
 
@@ -35,7 +36,12 @@ def status_text(directory: Path) -> str:
     lines = [f"campaign {directory}: generation {current} (last committed: {committed})"]
     if best:
         lines.append(f"best so far: {best[0]} fitness {best[1]:.4f}")
-    lines += ["", _member_table([m for m in members if m.generation == current])]
+    jobs = {m.member_id: read_job(Path(directory) / "tasks" / m.member_id) for m in members}
+    lines += ["", _member_table([m for m in members if m.generation == current], jobs)]
+    running = [m for m in members if m.status == "running"]
+    if running:
+        lines += ["", "running:"]
+        lines += [_running_line(Path(directory), m, jobs.get(m.member_id)) for m in running]
     if faults:
         lines += ["", f"faults ({len(faults)}):"]
         lines += [
@@ -46,7 +52,25 @@ def status_text(directory: Path) -> str:
     return "\n".join(lines)
 
 
-def _member_table(members: list[MemberRecord]) -> str:
+def _running_line(directory: Path, m: MemberRecord, job: dict | None) -> str:
+    """Where a running member is: its job (state, and why it waits) and its log."""
+    log = directory / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
+    where = ""
+    if job is not None:
+        reason = f" ({job['reason']})" if job.get("reason") else ""
+        where = f"job {job['job_id']} {job.get('state', '?')}{reason}  "
+    return f"  {m.member_id}  {where}log {log}"
+
+
+def _shown_status(m: MemberRecord, job: dict | None) -> str:
+    if m.collapsed:
+        return "collapsed"
+    if m.status == "running" and job is not None and job.get("state") in WAITING:
+        return "queued"
+    return m.status
+
+
+def _member_table(members: list[MemberRecord], jobs: dict[str, dict | None]) -> str:
     names = sorted({k for m in members for k in m.hyperparameters})
     header = ["member", "parent", "status", "tries", "fitness", "zero-signal", *names, "mutation"]
     rows = [header]
@@ -56,7 +80,7 @@ def _member_table(members: list[MemberRecord]) -> str:
             [
                 m.member_id,
                 m.parent_id or "-",
-                "collapsed" if m.collapsed else m.status,
+                _shown_status(m, jobs.get(m.member_id)),
                 str(m.attempts),
                 f"{fit:.4f}" if fit is not None else "-",
                 _zero_signal(m),

@@ -63,6 +63,10 @@ CREATE TABLE IF NOT EXISTS generations (
     generation INTEGER PRIMARY KEY, committed_at TEXT NOT NULL,
     best_member_id TEXT REFERENCES members (member_id) {_FK}, best_fitness REAL,
     controller_state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS launches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    member_id TEXT NOT NULL REFERENCES members (member_id) {_FK}, attempt INTEGER NOT NULL,
+    backend TEXT NOT NULL, launch_id TEXT NOT NULL, created_at TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (
     path TEXT PRIMARY KEY, digest TEXT, registered_at TEXT NOT NULL,
     referenced INTEGER NOT NULL DEFAULT 1 CHECK (referenced IN (0, 1)))
@@ -316,6 +320,22 @@ class CampaignStore:
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (generation, member_id, attempt, kind, detail, _now()),
             )
+
+    def record_launch(self, member_id: str, attempt: int, backend: str, launch_id: str) -> None:
+        """Append how one attempt was started: its process group id (``local``) or job id
+        (``slurm``)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO launches (member_id, attempt, backend, launch_id, created_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (member_id, attempt, backend, launch_id, _now()),
+            )
+
+    def launches(self, member_id: str | None = None) -> list[dict]:
+        """Launches in the order they were recorded, of one member or of all."""
+        where, args = ("", ()) if member_id is None else ("WHERE member_id = ?", (member_id,))
+        rows = self._read(f"SELECT * FROM launches {where} ORDER BY seq", args)
+        return [dict(row) for row in rows]
 
     def faults(self, generation: int | None = None) -> list[dict]:
         """Faults in the order they were recorded, of one generation or of all."""
