@@ -178,8 +178,8 @@ def test_the_arena_keys() -> None:
     ("given", "start"),
     [
         ({"MUTATION_PARAMS": {"ARCH_MUT": 0.2}}, "MUTATION_PARAMS.ARCH_MUT (0.2) is refused"),
-        ({"INIT_HP": {"ADV_NORM": "mean_only"}}, "INIT_HP.ADV_NORM ('mean_only') is refused"),
-        ({"INIT_HP": {"USE_KL_ADVANTAGE_SHAPING": True}}, "INIT_HP.USE_KL_ADVANTAGE_SHAPING"),
+        ({"INIT_HP": {"FILTER_ZERO_ADV": True}}, "INIT_HP.FILTER_ZERO_ADV (True) is refused"),
+        ({"INIT_HP": {"ADV_NORM": "mean"}}, "algorithm.advantage_norm ('mean') must be one of"),
         ({"INIT_HP": {"LORA": {"r": 8, "bias": "all"}}}, "INIT_HP.LORA ("),
         ({"MUTATION_PARAMS": {"MIN_LR": 1e-6}}, "MUTATION_PARAMS.MIN_/MAX_: lr has no max"),
         ({"INIT_HP": {"TOURN_SIZ": 2}}, "INIT_HP.TOURN_SIZ is not a known key; did you mean"),
@@ -189,6 +189,21 @@ def test_what_would_change_results_is_refused_in_one_line(given: dict, start: st
     with pytest.raises(ConfigError) as err:
         manifest_from_dict(given)
     assert len(err.value.problems) == 1 and err.value.problems[0].startswith(start), err.value
+
+
+def test_advantage_normalisation_and_kl_shaping_map_onto_the_algorithm() -> None:
+    upper = manifest_from_dict(
+        {"INIT_HP": {"ALGO": "GSPO", "BETA": 0.001, "ADV_NORM": "mean_only",
+                     "USE_KL_ADVANTAGE_SHAPING": True, "FILTER_ZERO_ADV": False}}
+    )  # fmt: skip
+    alg = upper.algorithm
+    assert (alg.loss, alg.advantage_norm, alg.kl_in_advantage) == ("gspo", "mean_only", True)
+    assert [n for n in upper.notes() if n.startswith("INIT_HP.FILTER_ZERO_ADV (False): ")]
+    lower = manifest_from_dict(
+        {"algorithm": {"name": "GRPO", "batch_size": 2, "adv_norm": "mean_std",
+                       "use_kl_advantage_shaping": False}}
+    )  # fmt: skip
+    assert (lower.algorithm.advantage_norm, lower.algorithm.kl_in_advantage) == ("mean_std", False)
 
 
 def test_zero_architecture_mutations_and_cispo_are_accepted() -> None:
