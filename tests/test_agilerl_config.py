@@ -149,8 +149,16 @@ def test_the_environment_becomes_the_task(tmp_path: Path) -> None:
     )
     assert task.eval_fraction == pytest.approx(0.2)
     prefill = copy.deepcopy(data)
-    prefill["environment"]["prompt_template"]["assistant_2"] = "Let me think."
-    with pytest.raises(ConfigError, match=r"prompt_template.assistant_2 is refused"):
+    prefill["environment"]["prompt_template"]["assistant_2"] = "Let me think.\n<think>"
+    task = manifest_from_dict(prefill, base_dir=tmp_path).task
+    assert task.assistant_prefill == "Let me think.\n<think>"
+    assert task.prompt_template == "Use {nums} to make {target}."
+    turns = prefill["environment"]["prompt_template"]
+    prefill["environment"]["prompt_template"] = {"assistant_0": "Sure.", **turns}
+    with pytest.raises(ConfigError, match=r"prompt_template.assistant_0 is refused: only a last"):
+        manifest_from_dict(prefill, base_dir=tmp_path)
+    prefill["environment"]["prompt_template"] = {**turns, "assistant_2": "For {answer}:"}
+    with pytest.raises(ConfigError, match=r"assistant_2 is refused: task.assistant_prefill is lit"):
         manifest_from_dict(prefill, base_dir=tmp_path)
 
 

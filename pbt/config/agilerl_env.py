@@ -69,11 +69,13 @@ def _split(out: Translation, value: Any, _: dict[str, str]) -> None:
 
 
 def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
-    """Turns ``{role}_{index}``: a system turn and one user turn; the user turn's ``{question}``
-    and ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
+    """Turns ``{role}_{index}``, in order: a system turn, one user turn and, last, an assistant
+    turn that starts the reply (``task.assistant_prefill``). The user turn's ``{question}`` and
+    ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
     if not isinstance(value, dict):
         out.problems.append(f"environment.prompt_template ({value!r}) must map turns to text")
         return
+    last = list(value)[-1] if value else None
     for turn, text in value.items():
         role = str(turn).rsplit("_", 1)[0]
         where = f"environment.prompt_template.{turn}"
@@ -83,12 +85,24 @@ def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
             for name in ("question", "answer"):
                 text = str(text).replace("{" + name + "}", "{" + renamed.get(name, name) + "}")
             out.sets.append(("task.prompt_template", text, where))
+        elif role == "assistant" and turn == last:
+            _prefill(out, str(text), where)
         else:
             out.problems.append(
-                f"{where} is refused: a {role} turn (a prefill of the answer) is not supported "
-                "here, and dropping it would change what the model is asked; move its text into "
-                "the user turn or remove it"
+                f"{where} is refused: only a last assistant turn (the start of the reply) is "
+                f"supported here, not a {role} turn before it, and dropping it would change what "
+                "the model is asked; move its text into the user turn or remove it"
             )
+
+
+def _prefill(out: Translation, text: str, where: str) -> None:
+    if "{question}" in text or "{answer}" in text:
+        out.problems.append(
+            f"{where} is refused: task.assistant_prefill is literal text, the same for every "
+            "row; move {question} or {answer} into the user turn"
+        )
+        return
+    out.sets.append(("task.assistant_prefill", text, where))
 
 
 def _refuse_rubric(out: Translation, value: Any, _: dict[str, str]) -> None:

@@ -125,6 +125,11 @@ class TaskConfig:
     prompt_template: str | None = None
     """A format string over the row's fields that makes the user turn, e.g.
     ``"Solve: {question}"``; null: the question (or prompt) field as is."""
+    assistant_prefill: str | None = None
+    """RL: the start of the assistant's reply (literal text, e.g. ``"Let me think.\\n<think>"``),
+    written after the chat template's generation prompt; the model's completion continues it.
+    The reward sees the completion only, without the prefill (AgileRL's ``assistant_N`` turn of
+    ``prompt_template``)."""
     options: dict[str, Any] = field(default_factory=dict)
     """reasoning-gym: keyword arguments of the dataset's config (e.g. ``{min_digits: 2}``);
     ``size`` and ``seed`` are set from ``train_size + eval_size`` and ``training.seed``."""
@@ -169,6 +174,11 @@ class TaskConfig:
             problems.append(
                 f"{prefix}.eval_fraction ({self.eval_fraction}) must be between 0 and 1 "
                 "(exclusive); 0.1 holds out a tenth of train"
+            )
+        if self.assistant_prefill is not None and not self.assistant_prefill:
+            problems.append(
+                f"{prefix}.assistant_prefill ('') is empty; give the text that starts the reply, "
+                "or null for none"
             )
         problems += self._check_source(prefix)
         if self.reward is not None and self.rewards:
