@@ -28,14 +28,40 @@ def translate_environment(out: Translation, block: dict[str, Any]) -> None:
             out.problems.append(f"environment.{key} is not a known key; known: {known}")
             continue
         handler(out, value, renamed)
-    file, name = block.get("reward_file_path"), block.get("reward_fn_name")
-    if (file is None) != (name is None):
+    _reward(out, block)
+
+
+def _reward(out: Translation, block: dict[str, Any]) -> None:
+    """The file and the name in it of the reward -> ``task.reward``. AgileRL reads
+    ``rubric_file_path`` and ``reward_file_path`` as one key, and ``rubric_name`` and
+    ``reward_fn_name`` as another; the name is a reward function or an OpenEnv rubric."""
+    values = []
+    for keys in (("rubric_file_path", "reward_file_path"), ("rubric_name", "reward_fn_name")):
+        given = [k for k in keys if k in block]
+        if len(given) > 1:
+            out.problems.append(
+                f"environment.{given[0]} and environment.{given[1]} are one key in AgileRL; "
+                "give one of them"
+            )
+            return
+        values.append(block[given[0]] if given else None)
+    file, name = values
+    if file is None and name is None:
+        return
+    if file is None or name is None:
         out.problems.append(
-            "environment.reward_file_path and environment.reward_fn_name go together; give the "
-            "file and the name of reward_fn(completion, answer, question) in it"
+            "environment.reward_file_path (or rubric_file_path) and reward_fn_name (or "
+            "rubric_name) go together; give the file and the name in it of "
+            "reward_fn(completion, answer, question) or of an OpenEnv rubric"
         )
-    elif file is not None:
-        out.sets.append(("task.reward", {"file": file, "function": name}, "environment.reward_*"))
+        return
+    out.sets.append(("task.reward", {"file": file, "function": name}, "environment.reward"))
+    if "rubric_name" in block:
+        out.notes.append(
+            f"environment.rubric_name ({name!r}): a rubric is scored as task.reward, called with "
+            "the completion as action.message and the row's question and answer; only its total "
+            f"is logged (reward/{name}), not each component's score"
+        )
 
 
 def _dataset(out: Translation, value: Any, _: dict[str, str]) -> None:
@@ -105,13 +131,6 @@ def _prefill(out: Translation, text: str, where: str) -> None:
     out.sets.append(("task.assistant_prefill", text, where))
 
 
-def _refuse_rubric(out: Translation, value: Any, _: dict[str, str]) -> None:
-    out.problems.append(
-        f"environment.rubric_* ({value!r}) is refused: AgileRL rubrics are not read here; give "
-        "reward_file_path and reward_fn_name naming reward_fn(completion, answer, question)"
-    )
-
-
 def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
     if value not in ("rollout", "reasoning", "preference", "dataset"):
         out.problems.append(
@@ -121,9 +140,12 @@ def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
 
 
 def _max_reward(out: Translation, value: Any, _: dict[str, str]) -> None:
+    """AgileRL's reasoning loop logs ``accuracy``, the share of a step's rewards equal to
+    ``max_reward``; it neither stops training nor enters fitness, so it is a note here."""
     out.notes.append(
-        f"environment.max_reward ({value!r}): fitness here is the mean reward on held-out rows; "
-        "give budget.target_fitness to stop at a score"
+        f"environment.max_reward ({value!r}): AgileRL only logs the share of training rewards "
+        "equal to it (accuracy) and does not stop there; it is not logged here, and fitness is "
+        "the mean held-out reward: give budget.target_fitness to stop at a score"
     )
 
 
@@ -141,7 +163,7 @@ _ENV_KEYS = {
     "max_reward": _max_reward,
     "reward_file_path": _skip,
     "reward_fn_name": _skip,
-    "rubric_file_path": _refuse_rubric,
+    "rubric_file_path": _skip,
     "rubric_name": _skip,
 }
 

@@ -13,7 +13,8 @@ from pbt.config.rules import positive
 
 @dataclass(kw_only=True, slots=True)
 class RewardRef:
-    """A user reward function ``reward_fn(completion, answer, question) -> float`` in a file."""
+    """A user reward function ``reward_fn(completion, answer, question) -> float`` in a file, or
+    a rubric there (an OpenEnv ``Rubric`` instance or class, as AgileRL's ``rubric_name``)."""
 
     file: str
     """Path to a Python file, relative to the manifest's folder."""
@@ -62,7 +63,7 @@ class RewardRef:
         defined = [
             node.name
             for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
         ] + [
             target.id
             for node in tree.body
