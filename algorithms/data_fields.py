@@ -101,7 +101,8 @@ def user_turn(cfg: TaskConfig, field: str) -> Callable[[Row], str | None]:
 
 def rl_example(cfg: TaskConfig) -> Callable[[Row], Example]:
     """Makes an RL row into an :class:`Example`: the question and answer fields as they are,
-    the prompt from ``task.prompt_template``, the system turn from ``task.system_prompt``."""
+    the prompt from ``task.prompt_template``, the system turn from ``task.system_prompt``, the
+    start of the reply from ``task.assistant_prefill``."""
     question, answer, system = cfg.question_field, cfg.answer_field, cfg.system_prompt
-    prompt = user_turn(cfg, question)
-    return lambda row: Example(row[question], row[answer], prompt(row), system)
+    prompt, prefill = user_turn(cfg, question), cfg.assistant_prefill
+    return lambda row: Example(row[question], row[answer], prompt(row), system, prefill)

@@ -11,14 +11,20 @@ from typing import Any
 
 Chat = str | list[dict[str, str]]
 """A prompt for the chat template: a user turn as plain text, or the turns (``role`` and
-``content``) themselves."""
+``content``) themselves. A last ``assistant`` turn is a prefill: the start of the reply, which
+the completion continues."""
 
 
-def chat_turns(user: str, system: str | None = None) -> Chat:
-    """The user turn as is, or a system turn and the user turn when there is a system prompt."""
-    if system is None:
+def chat_turns(user: str, system: str | None = None, prefill: str | None = None) -> Chat:
+    """The user turn as is, or the turns: a system turn when there is a system prompt, the user
+    turn, and an assistant turn that starts the reply when there is a prefill."""
+    if system is None and prefill is None:
         return user
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    turns = [] if system is None else [{"role": "system", "content": system}]
+    turns.append({"role": "user", "content": user})
+    if prefill is not None:
+        turns.append({"role": "assistant", "content": prefill})
+    return turns
 
 
 def as_messages(chat: Chat) -> list[dict[str, str]]:
@@ -32,16 +38,18 @@ class Example:
 
     ``question`` and ``answer`` are what the reward receives, as the row holds them (an answer
     may be any JSON value); ``prompt`` is the user turn when it differs from the question (a
-    ``task.prompt_template``), and ``system`` a system turn before it.
+    ``task.prompt_template``), ``system`` a system turn before it, and ``prefill`` the start of
+    the assistant's reply (``task.assistant_prefill``), which the completion continues.
     """
 
     question: Any
     answer: Any
     prompt: str | None = None
     system: str | None = None
+    prefill: str | None = None
 
     @property
     def chat(self) -> Chat:
         """What the model is prompted with."""
         user = self.prompt if self.prompt is not None else str(self.question)
-        return chat_turns(user, self.system)
+        return chat_turns(user, self.system, self.prefill)

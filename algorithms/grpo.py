@@ -9,7 +9,8 @@ ratio. DAPO's two training-loop pieces are options of every member of the family
 ``overlong_buffer`` (a soft penalty for completions that run into the generation budget) and
 ``dynamic_sampling`` (groups with no reward spread are dropped and more prompts are sampled until
 the batch is full). The reference policy for the KL term is the same model with its adapter
-disabled: no second model is held in memory.
+disabled: no second model is held in memory. ``kl_in_advantage`` folds that KL into each token's
+advantage instead of the loss; ``advantage_norm`` picks the advantages' normalisation.
 
 Numerically, the objectives clamp their log-ratios and keep masked positions out of ``exp``, the
 ``k3`` KL is clamped (see :mod:`pbt.algorithms.losses`), ``algorithm.dual_clip`` caps
@@ -50,7 +51,7 @@ class GRPO(Learner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.objective = get_objective(self.objective_name())
+        self.objective = get_objective(self.objective_name(), self.algorithm.advantage_norm)
 
     def objective_name(self) -> str:
         return self.algorithm.loss
@@ -341,14 +342,17 @@ class GRPO(Learner):
             m = part.completion_mask * (1.0 if live else 0.0)
             logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)
             old = logp.detach() if old_logp is None else old_logp[idx]
+            kl = None if ref_logp is None else losses.kl_k3(logp, ref_logp[idx], m)
+            adv = advantages[idx]
+            if kl is not None and algo.kl_in_advantage:  # the KL shapes advantages, no loss term
+                adv = losses.kl_shaped_advantages(adv, kl, m, algo.beta)
             per_token, clipped = self.objective.per_token_loss(
-                logp, old, advantages[idx], m, algo.clip_low, algo.clip_high,
-                dual_clip=algo.dual_clip,
-            )  # fmt: skip
+                logp, old, adv, m, algo.clip_low, algo.clip_high, dual_clip=algo.dual_clip
+            )
             per_token = self._importance_correct(per_token, old, part, m, step)
-            if ref_logp is not None:
-                kl = losses.kl_k3(logp, ref_logp[idx], m)
-                per_token = per_token + algo.beta * kl
+            if kl is not None:
+                if not algo.kl_in_advantage:
+                    per_token = per_token + algo.beta * kl
                 step["kl"] += float((kl.detach() * m).sum())
             # gradients are averaged across ranks: scale by the world size to get their sum
             loss = losses.aggregate(per_token, m, mode, denominator) * self.world_size

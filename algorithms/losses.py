@@ -10,7 +10,10 @@ Where this follows the GRPO paper (Shao et al., 2024) and where it does not:
 - Groups whose rewards are all equal carry no signal; instead of contributing zero-advantage
   tokens that dilute the mean (and still pull through the KL term), they are masked out
   entirely and counted, so a user can see when the task gives no signal.
-- KL uses the paper's unbiased ``k3`` estimator, ``exp(ref - logp) - (ref - logp) - 1``.
+- KL uses the paper's unbiased ``k3`` estimator, ``exp(ref - logp) - (ref - logp) - 1``, as a
+  loss term ``beta * kl``; or, with KL advantage shaping (ART's, AgileRL's
+  ``USE_KL_ADVANTAGE_SHAPING``), folded into each token's advantage instead
+  (:func:`kl_shaped_advantages`).
 - ``token-mean`` (DAPO-style, the default) averages over all tokens of a mini-batch;
   ``sequence-mean`` is the paper's per-sequence mean, then the mean over sequences;
   ``fixed-length`` (Dr. GRPO) divides the token sum by sequences * the generation budget, a
@@ -124,6 +127,37 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4) -> tup
     return advantages.reshape(-1), has_signal.reshape(-1)
 
 
+def token_advantages(advantages: Tensor) -> Tensor:
+    """Advantages broadcastable onto ``[N, T]``: ``[N]`` (one per sequence) as ``[N, 1]``,
+    ``[N, T]`` (one per token) as they are."""
+    return advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
+
+
+def kl_shaped_advantages(advantages: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """KL advantage shaping (ART's; AgileRL's ``USE_KL_ADVANTAGE_SHAPING``): each token's
+    advantage ``A_t = A + beta * (mean_t(kl) - kl_t)``, the mean over the sequence's real tokens.
+
+    The penalty is zero-mean within a sequence: it moves credit from the tokens that strayed
+    furthest from the reference to those that stayed close, and replaces the loss term
+    ``beta * kl`` (the caller adds none). The KL is detached: the shaping is a reward signal, not
+    differentiated, so the gradient flows through the objective's ratio or log-prob only.
+
+    Args:
+        advantages: ``[N]`` one advantage per sequence.
+        kl: ``[N, T]`` per-token KL estimate (:func:`kl_k3`).
+        mask: ``[N, T]``, nonzero on real tokens; masked positions keep the sequence's advantage.
+        beta: the KL coefficient; 0 returns the advantages broadcast unchanged.
+
+    Returns:
+        ``[N, T]`` per-token advantages.
+    """
+    real = mask != 0
+    kl = torch.where(real, kl.detach(), torch.zeros_like(kl))
+    mean = kl.sum(dim=1, keepdim=True) / real.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
+    shift = torch.where(real, mean - kl, torch.zeros_like(kl))
+    return advantages.unsqueeze(1) + beta * shift
+
+
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-probability of each target token under ``softmax(logits / temperature)``.
 
@@ -155,7 +189,7 @@ def clipped_surrogate(
     Args:
         logp: ``[N, T]`` current log-probs (with grad).
         old_logp: ``[N, T]`` log-probs of the policy that sampled the tokens.
-        advantages: ``[N]`` one advantage per sequence.
+        advantages: ``[N]`` one advantage per sequence, or ``[N, T]`` one per token.
         clip_low: the ratio's lower bound is ``1 - clip_low``.
         clip_high: the ratio's upper bound is ``1 + clip_high``.
         mask: ``[N, T]``, nonzero on real tokens; masked positions get ratio 1 (never ``exp``
@@ -167,7 +201,7 @@ def clipped_surrogate(
         (the ratio's range, or the dual clip) is the active one (its gradient is zero).
     """
     ratio = torch.exp(log_ratio(logp, old_logp, mask))
-    adv = advantages.unsqueeze(1)  # [N, 1]
+    adv = token_advantages(advantages)  # [N, 1] or [N, T]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)

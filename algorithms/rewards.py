@@ -2,7 +2,8 @@
 
 A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) ->
 float``; with ``batched: true`` it takes lists ``(completions, answers, questions)`` and returns
-one number per completion. :class:`Reward` holds the terms of a task (its own reward for a
+one number per completion. The name may also be an OpenEnv rubric, as AgileRL's
+``rubric_name`` (:mod:`pbt.algorithms.rubrics`). :class:`Reward` holds the terms of a task (its own reward for a
 built-in task, else the user's ``task.reward`` or ``task.rewards``) and scores a batch into the
 weighted sum and each term's raw values, which are logged as ``reward/<name>``.
 
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from pbt.algorithms.rubrics import is_rubric, rubric_reward
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError, RewardError
 
@@ -281,7 +283,8 @@ def _term_names(refs: Sequence[RewardRef]) -> list[str]:
 
 
 def load_reward_fn(ref: RewardRef, base_dir: str | Path, key: str = "task.reward") -> RewardFn:
-    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``) and check its signature.
+    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``) and check its signature;
+    a rubric there (AgileRL's ``rubric_name``, :mod:`pbt.algorithms.rubrics`) scores through one.
 
     Raises:
         ConfigError: missing file, import failure, missing or non-callable function, or a
@@ -298,6 +301,11 @@ def load_reward_fn(ref: RewardRef, base_dir: str | Path, key: str = "task.reward
     except Exception as err:
         raise ConfigError([f"{key}.file ({ref.file!r}) failed to import: {err!r}"]) from None
     fn = getattr(module, ref.function, None)
+    if is_rubric(fn):
+        if ref.batched:
+            problem = f"{key}.batched (true): {ref.function!r} is a rubric, which scores one "
+            raise ConfigError([problem + "completion at a time; set batched: false"])
+        return rubric_reward(fn, key)
     if not callable(fn):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         raise ConfigError(

@@ -72,7 +72,7 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         task = _reasoning_gym_task(cfg, base_dir, seed)
     else:
         task = _builtin_task(cfg, base_dir, seed)
-    if cfg.system_prompt is None and cfg.prompt_template is None:
+    if cfg.system_prompt is None and cfg.prompt_template is None and cfg.assistant_prefill is None:
         return task
     return replace(task, train=_dress(task.train, cfg), eval=_dress(task.eval, cfg))
 
@@ -100,8 +100,8 @@ def _reasoning_gym_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Tas
 
 
 def _dress(examples: Sequence[Example], cfg: TaskConfig) -> list[Example]:
-    """Built-in or reasoning-gym rows with the manifest's system prompt and prompt template (over
-    the fields ``question`` and ``answer``)."""
+    """Built-in or reasoning-gym rows with the manifest's system prompt, prompt template (over
+    the fields ``question`` and ``answer``) and assistant prefill."""
 
     fields = ["question", "answer"]
     check_template(cfg.prompt_template, fields, f"task.name ({cfg.source!r})")
@@ -113,6 +113,7 @@ def _dress(examples: Sequence[Example], cfg: TaskConfig) -> list[Example]:
             if template is None
             else template.format(question=ex.question, answer=ex.answer),
             system=cfg.system_prompt,
+            prefill=cfg.assistant_prefill,
         )
         for ex in examples
     ]

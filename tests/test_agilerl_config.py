@@ -6,13 +6,20 @@ code's table."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pbt.config import MUTABLE_BY_ALGORITHM, ConfigError, load_manifest, manifest_from_dict
+from pbt.config import (
+    MUTABLE_BY_ALGORITHM,
+    ConfigError,
+    RewardRef,
+    load_manifest,
+    manifest_from_dict,
+)
 from pbt.config.agilerl import mapping_rows, translate_agilerl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agilerl"
@@ -22,10 +29,15 @@ GROUP_SIZE_MUTABLE = "group_size" in MUTABLE_BY_ALGORITHM["GRPO"]
 
 def _known_gaps(data: dict) -> list[str]:
     """What pbt-llm refuses in a published config, with its reason: (until group_size mutates)
-    a group-size range."""
+    a group-size range; and where vLLM is not installed, a vLLM rollout."""
     gaps = []
     if "MIN_GROUP_SIZE" in data.get("MUTATION_PARAMS", {}) and not GROUP_SIZE_MUTABLE:
         gaps.append("mutation.ranges.group_size is not a mutable hyperparameter")
+    wants_vllm = data.get("INIT_HP", {}).get("USE_VLLM") or data.get("algorithm", {}).get(
+        "use_vllm"
+    )
+    if wants_vllm and importlib.util.find_spec("vllm") is None:
+        gaps.append("rollout.engine is 'vllm' but vLLM is not installed")
     return gaps
 
 
@@ -97,6 +109,72 @@ def test_the_training_config_lora_schedule_and_notes() -> None:
     assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+def _notes_once(notes: list[str], *origins: str) -> None:
+    for origin in origins:
+        assert sum(n.startswith(origin) for n in notes) == 1, (origin, notes)
+
+
+def test_gspo_and_cispo_land_their_advantage_and_kl_keys() -> None:
+    gspo = manifest_from_dict(_fixture("gspo.yaml", USE_VLLM=False))
+    alg = gspo.algorithm
+    assert (alg.name, alg.loss, alg.advantage_norm, alg.kl_in_advantage) == (
+        "GRPO", "gspo", "mean_only", True)  # fmt: skip
+    assert (alg.beta, alg.prompts_per_step, alg.group_size, alg.micro_batch_size) == (
+        0.001, 4, 16, 4)  # fmt: skip
+    assert gspo.rollout.max_output_tokens == 64 and gspo.rollout.vllm.max_model_len == 1024
+    assert (gspo.lora.r, gspo.lora.alpha, gspo.lora.dropout) == (16, 64.0, 0.05)
+    assert gspo.mutation.ranges["group_size"] == {"min": 4, "max": 12, "dtype": "int"}
+    _notes_once(gspo.notes(), "INIT_HP.USE_MEMORY_EFFICIENT_PARAMS (True): ")
+    data = yaml.safe_load((FIXTURES / "gspo.yaml").read_text())
+    translate_agilerl(data)
+    assert data["rollout"]["engine"] == "vllm"  # USE_VLLM: true, as published
+
+    cispo = manifest_from_dict(_fixture("cispo.yaml", USE_VLLM=False))
+    alg = cispo.algorithm
+    assert (alg.loss, alg.advantage_norm, alg.kl_in_advantage, alg.beta) == (
+        "cispo", "mean_std", False, 0.0)  # fmt: skip
+    assert (alg.clip_low, alg.clip_high, alg.prompts_per_step) == (0.4, 0.4, 16)
+    _notes_once(
+        cispo.notes(), "INIT_HP.FILTER_ZERO_ADV (False): ", "INIT_HP.USE_LIGER_LOSS (False): ",
+        "INIT_HP.USE_MEMORY_EFFICIENT_PARAMS (True): ",
+    )  # fmt: skip
+
+
+def test_the_rubric_config_lands_its_reward_prefill_and_notes() -> None:
+    m = load_manifest(FIXTURES / "grpo_rubric.yaml")
+    task, alg = m.task, m.algorithm
+    assert task.reward == RewardRef(file="reward.py", function="RUBRIC")
+    assert task.assistant_prefill == "Let me solve this step by step.\n<redacted_thinking>"
+    assert task.prompt_template.startswith("Using each number in this list only once {nums}")
+    assert task.system_prompt.startswith("You are a helpful assistant.")
+    assert (task.question_field, task.answer_field) == ("nums", "target")
+    assert task.train == "hf:Jiayi-Pan/Countdown-Tasks-3to4"
+    assert task.eval_fraction == pytest.approx(0.2)
+    assert (alg.prompts_per_step, alg.group_size, m.population.size) == (6, 2, 2)
+    _notes_once(m.notes(), "environment.rubric_name ('RUBRIC'): ", "environment.max_reward (2.0): ")
+    from pbt.algorithms.rewards import build_reward
+    from pbt.algorithms.tasks import Example
+
+    reward = build_reward(task, FIXTURES, None)
+    rows = [Example([3, 5, 2], 13)] * 3
+    texts = ["x", "<answer>3 + 5</answer>", "</think>\n<answer>(3 * 5) - 2</answer>"]
+    total, _ = reward(rows, texts)
+    assert total.tolist() == [0.0, 1.0, 2.0] and reward.names == ["RUBRIC"]
+
+
+def test_reward_and_rubric_keys_are_one_key_as_in_agilerl() -> None:
+    data = {"environment": {"rubric_file_path": "r.py", "reward_fn_name": "fn"}}
+    translation = translate_agilerl(data)
+    assert data["task"]["reward"] == {"file": "r.py", "function": "fn"}
+    assert not translation.problems and not translation.notes  # no rubric_name: no rubric note
+    both = {"environment": {"rubric_file_path": "r.py", "reward_file_path": "s.py",
+                            "reward_fn_name": "fn"}}  # fmt: skip
+    assert translate_agilerl(both).problems == [
+        "environment.rubric_file_path and environment.reward_file_path are one key in AgileRL; "
+        "give one of them"
+    ]
+
+
 def test_llmppo_maps_onto_ppo() -> None:
     alg = manifest_from_dict(_fixture("ppo_llm.yaml")).algorithm
     assert (alg.name, alg.gamma, alg.vf_coef, alg.lam, alg.prompts_per_step) == (
@@ -149,8 +227,16 @@ def test_the_environment_becomes_the_task(tmp_path: Path) -> None:
     )
     assert task.eval_fraction == pytest.approx(0.2)
     prefill = copy.deepcopy(data)
-    prefill["environment"]["prompt_template"]["assistant_2"] = "Let me think."
-    with pytest.raises(ConfigError, match=r"prompt_template.assistant_2 is refused"):
+    prefill["environment"]["prompt_template"]["assistant_2"] = "Let me think.\n<think>"
+    task = manifest_from_dict(prefill, base_dir=tmp_path).task
+    assert task.assistant_prefill == "Let me think.\n<think>"
+    assert task.prompt_template == "Use {nums} to make {target}."
+    turns = prefill["environment"]["prompt_template"]
+    prefill["environment"]["prompt_template"] = {"assistant_0": "Sure.", **turns}
+    with pytest.raises(ConfigError, match=r"prompt_template.assistant_0 is refused: only a last"):
+        manifest_from_dict(prefill, base_dir=tmp_path)
+    prefill["environment"]["prompt_template"] = {**turns, "assistant_2": "For {answer}:"}
+    with pytest.raises(ConfigError, match=r"assistant_2 is refused: task.assistant_prefill is lit"):
         manifest_from_dict(prefill, base_dir=tmp_path)
 
 
@@ -178,8 +264,8 @@ def test_the_arena_keys() -> None:
     ("given", "start"),
     [
         ({"MUTATION_PARAMS": {"ARCH_MUT": 0.2}}, "MUTATION_PARAMS.ARCH_MUT (0.2) is refused"),
-        ({"INIT_HP": {"ADV_NORM": "mean_only"}}, "INIT_HP.ADV_NORM ('mean_only') is refused"),
-        ({"INIT_HP": {"USE_KL_ADVANTAGE_SHAPING": True}}, "INIT_HP.USE_KL_ADVANTAGE_SHAPING"),
+        ({"INIT_HP": {"FILTER_ZERO_ADV": True}}, "INIT_HP.FILTER_ZERO_ADV (True) is refused"),
+        ({"INIT_HP": {"ADV_NORM": "mean"}}, "algorithm.advantage_norm ('mean') must be one of"),
         ({"INIT_HP": {"LORA": {"r": 8, "bias": "all"}}}, "INIT_HP.LORA ("),
         ({"MUTATION_PARAMS": {"MIN_LR": 1e-6}}, "MUTATION_PARAMS.MIN_/MAX_: lr has no max"),
         ({"INIT_HP": {"TOURN_SIZ": 2}}, "INIT_HP.TOURN_SIZ is not a known key; did you mean"),
@@ -189,6 +275,21 @@ def test_what_would_change_results_is_refused_in_one_line(given: dict, start: st
     with pytest.raises(ConfigError) as err:
         manifest_from_dict(given)
     assert len(err.value.problems) == 1 and err.value.problems[0].startswith(start), err.value
+
+
+def test_advantage_normalisation_and_kl_shaping_map_onto_the_algorithm() -> None:
+    upper = manifest_from_dict(
+        {"INIT_HP": {"ALGO": "GSPO", "BETA": 0.001, "ADV_NORM": "mean_only",
+                     "USE_KL_ADVANTAGE_SHAPING": True, "FILTER_ZERO_ADV": False}}
+    )  # fmt: skip
+    alg = upper.algorithm
+    assert (alg.loss, alg.advantage_norm, alg.kl_in_advantage) == ("gspo", "mean_only", True)
+    assert [n for n in upper.notes() if n.startswith("INIT_HP.FILTER_ZERO_ADV (False): ")]
+    lower = manifest_from_dict(
+        {"algorithm": {"name": "GRPO", "batch_size": 2, "adv_norm": "mean_std",
+                       "use_kl_advantage_shaping": False}}
+    )  # fmt: skip
+    assert (lower.algorithm.advantage_norm, lower.algorithm.kl_in_advantage) == ("mean_std", False)
 
 
 def test_zero_architecture_mutations_and_cispo_are_accepted() -> None:

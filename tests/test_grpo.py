@@ -98,3 +98,47 @@ def test_mutated_lr_lands_in_the_optimizer_and_keeps_adam_state(tmp_path):
         assert torch.equal(s["exp_avg"], moments[id(p)])
     learner.scheduler.step()
     assert learner.optimizer.param_groups[0]["lr"] == 1e-2 * (3 / 11)
+
+
+def test_kl_in_advantage_shapes_each_tokens_advantage_and_adds_no_kl_term(tmp_path):
+    """The learner's update with ``kl_in_advantage`` is the gradient of the surrogate over
+    KL-shaped advantages, not of the surrogate plus ``beta * kl``."""
+    from pbt.algorithms import losses
+    from pbt.algorithms.rollout.hf import sequence_logprobs
+
+    beta = 0.5
+    manifest = small_manifest(
+        tmp_path,
+        algorithm={"beta": beta, "kl_in_advantage": True},
+        optim={"lr": 5e-2, "max_grad_norm": 0.0},
+    )
+    member = Member(manifest, CPU)
+    learner, model = member.learner, member.model
+    batch, _ = _scored_batch(member)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.0, 0.2, 0.0, 1.0])
+    learner.learn(batch, rewards)  # off the reference, so the KL is not zero
+    params = [p for p in model.parameters() if p.requires_grad]
+    learner.optimizer = torch.optim.SGD(params, lr=1.0)  # the change is minus the gradient
+    mask, temperature = batch.completion_mask, learner.rollout_cfg.temperature
+    model.train()
+    with torch.no_grad(), model.disable_adapter():
+        ref = sequence_logprobs(model, batch, temperature)
+    logp = sequence_logprobs(model, batch, temperature)
+    adv, _ = learner.objective.advantages(rewards, 4, 1e-4)
+    kl = losses.kl_k3(logp, ref, mask)
+    denominator = losses.aggregation_denominator(mask, "token-mean")
+
+    def gradient(advantages, kl_term):
+        per_token, _ = learner.objective.per_token_loss(logp, logp.detach(), advantages, mask,
+                                                        0.2, 0.2)  # fmt: skip
+        loss = losses.aggregate(per_token + kl_term, mask, "token-mean", denominator)
+        return torch.autograd.grad(loss, params, retain_graph=True)
+
+    shaped = gradient(losses.kl_shaped_advantages(adv, kl, mask, beta), 0.0)
+    with_term = gradient(adv, beta * kl)
+    before = [p.detach().clone() for p in params]
+    metrics = learner.learn(batch, rewards)
+    assert metrics["kl"] > 0.0
+    for old, p, g in zip(before, params, shaped, strict=True):
+        torch.testing.assert_close(old - p.detach(), g, rtol=1e-4, atol=1e-7)
+    assert any((g - o).abs().max() > 1e-4 for g, o in zip(shaped, with_term, strict=True))

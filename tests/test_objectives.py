@@ -8,6 +8,7 @@ import torch
 from pbt.algorithms import losses
 from pbt.algorithms.objectives import OBJECTIVES, get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
+from pbt.config import ConfigError, manifest_from_dict
 
 NAMES = ["grpo", "dr_grpo", "dapo", "cispo", "gspo", "reinforce", "rloo"]
 CLIP_LOW, CLIP_HIGH, MAX_TOKENS = 0.2, 0.28, 4
@@ -95,6 +96,26 @@ def test_zero_signal_groups_are_masked(name):
 def test_advantages_reject_a_batch_that_is_not_whole_groups(name):
     with pytest.raises(ValueError, match="multiple of 4"):
         get_objective(name).advantages(torch.zeros(6), 4, 1e-4)
+
+
+STD_OBJECTIVES = ["grpo", "dapo", "cispo", "gspo"]
+
+
+@pytest.mark.parametrize("name", STD_OBJECTIVES)
+def test_mean_only_drops_the_std_of_the_std_normalised_objectives(name):
+    adv, signal = get_objective(name, "mean_only").advantages(REWARDS, 2, 1e-4)
+    assert adv.tolist() == pytest.approx(CENTRED, rel=1e-6) and signal.all()
+    assert get_objective(name, "mean_only").advantage_norm == "mean_only"
+    assert get_objective(name, "mean_std") is get_objective(name) is OBJECTIVES[name]
+    zero, signal = get_objective(name, "mean_only").advantages(torch.tensor([2.0, 2.0]), 2, 1e-4)
+    assert zero.tolist() == [0.0, 0.0] and not signal.any()
+
+
+@pytest.mark.parametrize("name", ["dr_grpo", "reinforce", "rloo"])
+def test_the_mean_only_objectives_refuse_mean_std(name):
+    assert get_objective(name, "mean_only") is OBJECTIVES[name]
+    with pytest.raises(ValueError, match=f"'mean_std' contradicts {name}"):
+        get_objective(name, "mean_std")
 
 
 # -- per-token losses: one batch, every objective, numbers by hand ---------------------------
@@ -272,3 +293,79 @@ def test_micro_batches_with_the_shared_denominator_give_the_mini_batch(name, mod
     assert total == pytest.approx(whole.item(), rel=1e-6, abs=1e-7)
     assert torch.allclose(parts_logp.grad, whole_logp.grad, atol=1e-7)
     assert whole_logp.grad.abs().sum() > 0
+
+
+# -- KL advantage shaping ------------------------------------------------------------------
+
+LN2 = math.log(2.0)
+
+
+def test_kl_shaping_by_hand_replaces_the_kl_term():
+    """Ratio 1 (on-policy), beta 0.1, sequences of 3 and 2 real tokens; the reference is
+    ``logp + d`` with d = [0, ln2, -ln2] and [ln2, -ln2, pad]: k3 is 0, 1 - ln2, ln2 - 0.5 and
+    each sequence's KL sums to 0.5 (means 1/6 and 1/4)."""
+    beta = 0.1
+    logp = torch.zeros(2, 3, requires_grad=True)
+    ref = torch.tensor([[0.0, LN2, -LN2], [LN2, -LN2, 25.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    k_up, k_down = 1.0 - LN2, LN2 - 0.5
+    shaped_by_hand = [
+        [1.0 + beta * (1 / 6), 1.0 + beta * (1 / 6 - k_up), 1.0 + beta * (1 / 6 - k_down)],
+        [-1.0 + beta * (0.25 - k_up), -1.0 + beta * (0.25 - k_down), -1.0],
+    ]
+    kl = losses.kl_k3(logp, ref, mask)
+    shaped = losses.kl_shaped_advantages(adv, kl, mask, beta)
+    assert shaped.tolist() == [pytest.approx(row, rel=1e-6) for row in shaped_by_hand]
+    assert not shaped.requires_grad  # the KL is detached: a reward signal, not differentiated
+
+    loss, _ = run("grpo", logp, logp.detach(), shaped, mask)
+    loss.backward()
+    # -A_t per token over 5 tokens: the shifts sum to 0 in each sequence, so the value is the
+    # unshaped surrogate's, -(3 - 2) / 5, with no beta * kl added (that would give -0.18)
+    assert loss.item() == pytest.approx(-0.2, rel=1e-6)
+    grad_by_hand = [
+        [-a / 5 for a in shaped_by_hand[0]],
+        [*(-a / 5 for a in shaped_by_hand[1][:2]), 0.0],
+    ]
+    assert logp.grad.tolist() == [pytest.approx(row, rel=1e-6, abs=1e-9) for row in grad_by_hand]
+    assert losses.kl_shaped_advantages(adv, kl, mask, 0.0).tolist() == [[1.0] * 3, [-1.0] * 3]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_per_token_advantages_equal_to_the_sequences_give_the_same_loss(name):
+    logp, old, adv, mask = batch()
+    per_sequence, clipped = run(name, logp, old, adv, mask)
+    per_token, clipped_tokens = run(name, logp, old, adv.unsqueeze(1).expand(mask.shape), mask)
+    assert per_token.item() == pytest.approx(per_sequence.item(), rel=1e-6)
+    assert torch.equal(clipped, clipped_tokens)
+
+
+# -- the config keys -----------------------------------------------------------------------
+
+
+def test_advantage_norm_and_kl_in_advantage_config():
+    alg = manifest_from_dict({"algorithm": {"loss": "gspo", "advantage_norm": "mean_only"}})
+    assert alg.algorithm.advantage_norm == "mean_only" and not alg.algorithm.kl_in_advantage
+    assert manifest_from_dict({}).algorithm.advantage_norm is None  # the objective's own
+    shaped = manifest_from_dict({"algorithm": {"beta": 0.01, "kl_in_advantage": True}})
+    assert shaped.algorithm.kl_in_advantage
+    fine = {"loss": "dr_grpo", "advantage_norm": "mean_only"}
+    assert manifest_from_dict({"algorithm": fine}).algorithm.advantage_norm == "mean_only"
+    refused = {
+        "algorithm.advantage_norm ('mean_std') contradicts dr_grpo": {
+            "loss": "dr_grpo", "advantage_norm": "mean_std"},
+        "algorithm.advantage_norm ('mean_std') contradicts REINFORCE": {
+            "name": "REINFORCE", "advantage_norm": "mean_std"},
+        "algorithm.advantage_norm ('mean_only') has no effect with PPO": {
+            "name": "PPO", "advantage_norm": "mean_only"},
+        "algorithm.kl_in_advantage (true) has no effect with PPO": {
+            "name": "PPO", "kl_in_advantage": True},
+        "algorithm.kl_in_advantage (true) has no effect with DPO": {
+            "name": "DPO", "beta": 0.1, "kl_in_advantage": True},
+        "algorithm.advantage_norm ('mean') must be one of": {"advantage_norm": "mean"},
+    }  # fmt: skip
+    for start, section in refused.items():
+        with pytest.raises(ConfigError) as err:
+            manifest_from_dict({"algorithm": section})
+        assert [p for p in err.value.problems if p.startswith(start)], (start, err.value)

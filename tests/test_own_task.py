@@ -21,6 +21,7 @@ from pbt.algorithms.data import parse_hub, split_rows
 from pbt.algorithms.data_order import EpochOrder
 from pbt.algorithms.examples import Example
 from pbt.algorithms.member import Member
+from pbt.algorithms.rollout.hf import chat_prompts
 from pbt.algorithms.tasks import load_task
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError
@@ -96,6 +97,44 @@ def test_the_split_is_the_campaigns_whatever_the_member(folder):
     )
     train, held = split_rows(1_000_000, None, TaskConfig(train_size=1000, eval_size=64), 0)
     assert (len(train), len(held)) == (1000, 64) and not set(train) & set(held)
+
+
+PREFILL = "Let me solve this step by step.\n<think>"
+
+
+def test_the_assistant_prefill_ends_the_prompt_and_the_completion_continues_it(folder):
+    _jsonl(folder / "rows.jsonl", ROWS)
+    task = load_task(_task("rows.jsonl", assistant_prefill=PREFILL), folder, seed=0)
+    assert all(ex.prefill == PREFILL for ex in task.train)
+    sections = small_sections(folder, task={"assistant_prefill": PREFILL, "system_prompt": "Hi."})
+    member = Member(manifest_from_dict(sections, base_dir=folder), CPU)
+    example, tokenizer = member.task.train[0], member.tokenizer  # builtin:letters, dressed
+    assert example.chat[-1] == {"role": "assistant", "content": PREFILL}
+    [prompt] = chat_prompts(tokenizer, [example.chat])
+    opened = tokenizer.apply_chat_template(
+        example.chat[:-1], tokenize=False, add_generation_prompt=True
+    )
+    assert opened.endswith("<|im_start|>assistant\n") and prompt == opened + PREFILL
+    batch = member.learner.complete([example.chat])
+    ids = batch.prompt_ids[0][batch.prompt_mask[0].bool()]
+    assert tokenizer.decode(ids).endswith(PREFILL)  # the model continues after the prefill
+    assert not any(PREFILL in text for text in batch.texts)  # the reward sees the completion
+
+
+def test_a_campaign_with_a_prefill_passes_check_and_sft_refuses_one(folder):
+    sections = small_sections(folder, task={"assistant_prefill": PREFILL})
+    path = folder / "manifest.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    check = subprocess.run([*PBT, "check", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr[-2000:]
+    assert json.loads(check.stdout)["task"]["assistant_prefill"] == PREFILL
+    sections["algorithm"] = {"name": "SFT"}
+    with pytest.raises(
+        ConfigError, match=r"task.assistant_prefill starts a sampled reply, but SFT"
+    ):
+        manifest_from_dict(sections, base_dir=folder)
+    with pytest.raises(ConfigError, match=r"task.assistant_prefill \(''\) is empty"):
+        manifest_from_dict({"task": {"assistant_prefill": ""}})
 
 
 def test_hub_names_parse():

@@ -109,6 +109,60 @@ def test_two_functions_of_one_name_get_distinct_metric_names(folder):
     assert reward.names == ["rewards.length", "other.length"]
 
 
+RUBRICS_PY = """
+class Rubric:  # OpenEnv's shape: __call__ runs hooks around forward
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, action, observation):
+        self.calls += 1
+        return self.forward(action, observation)
+
+
+class Exact(Rubric):
+    def forward(self, action, observation):
+        return 1.0 if action.message == observation.answer else 0.0
+
+
+class Asks(Exact):
+    def __init__(self, threshold):
+        super().__init__()
+
+
+class Later(Rubric):
+    async def forward(self, action, observation):
+        return 1.0
+
+
+EXACT = Exact()
+"""
+
+
+@pytest.mark.parametrize("name", ["EXACT", "Exact"])
+def test_a_rubric_instance_or_class_scores_like_a_reward_function(folder, name):
+    (folder / "rubrics.py").write_text(RUBRICS_PY)
+    refs = [RewardRef(file="rubrics.py", function=name)]
+    assert refs[0].check_source(folder, "task.reward") == []  # a class is a name the file defines
+    reward = build_reward(TaskConfig(rewards=refs), folder, None)
+    total, _ = reward(ROWS, ["5", "tac"])
+    assert total.tolist() == [1.0, 1.0] and reward.names == [name]
+
+
+def test_rubrics_that_cannot_score_are_one_line(folder):
+    (folder / "rubrics.py").write_text(RUBRICS_PY)
+
+    def build(function: str, **ref) -> Reward:
+        refs = [RewardRef(file="rubrics.py", function=function, **ref)]
+        return build_reward(TaskConfig(rewards=refs), folder, None)
+
+    with pytest.raises(ConfigError, match=r"'EXACT' is a rubric, which scores one completion"):
+        build("EXACT", batched=True)
+    with pytest.raises(ConfigError, match=r"\('Asks'\) is a rubric class that cannot be built"):
+        build("Asks")
+    with pytest.raises(RewardError, match=r"rubrics.py:Later raised TypeError: the rubric's fo"):
+        build("Later")(ROWS, COMPLETIONS)
+
+
 @pytest.mark.parametrize(
     ("function", "batched", "says"),
     [

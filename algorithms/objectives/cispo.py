@@ -52,5 +52,5 @@ def per_token_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) != ratio
     real = mask != 0
     weight = torch.clamp(torch.where(real, ratio, 1.0), 1.0 - clip_low, 1.0 + clip_high)
-    loss = -weight * advantages.unsqueeze(1) * torch.where(real, logp, 0.0)
+    loss = -weight * losses.token_advantages(advantages) * torch.where(real, logp, 0.0)
     return loss, clipped

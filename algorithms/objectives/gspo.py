@@ -44,13 +44,14 @@ def per_token_loss(
     dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each sequence's clipped loss broadcast onto its tokens ``[N, T]``, and ``clipped``
-    ``[N, T]``: True on every token of a sequence whose clipped branch is active."""
-    lengths = mask.sum(dim=1).clamp(min=1.0)  # [N]
-    log_ratio = (losses.log_ratio(logp, old_logp, mask) * mask).sum(dim=1) / lengths
-    ratio = torch.exp(log_ratio)  # [N]
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss, capped = losses.dual_clip_loss(-torch.minimum(unclipped, clipped), advantages, dual_clip)
+    ``[N, T]``: True on every token of a sequence whose clipped branch is active. With per-token
+    advantages ``[N, T]`` (KL shaping) the sequence's ratio weighs each token's advantage."""
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    log_ratio = (losses.log_ratio(logp, old_logp, mask) * mask).sum(dim=1, keepdim=True) / lengths
+    ratio = torch.exp(log_ratio)  # [N, 1]
+    adv = losses.token_advantages(advantages)  # [N, 1] or [N, T]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    loss, capped = losses.dual_clip_loss(-torch.minimum(unclipped, clipped), adv, dual_clip)
     shape = logp.shape
-    clipped_any = (clipped < unclipped) | capped  # [N]
-    return loss.unsqueeze(1).expand(shape), clipped_any.unsqueeze(1).expand(shape)
+    return loss.expand(shape), ((clipped < unclipped) | capped).expand(shape)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.losses import Aggregation, token_advantages
 from pbt.algorithms.objectives.dr_grpo import centred_advantages
 
 AGGREGATION: Aggregation = "sequence-mean"
@@ -58,5 +58,5 @@ def per_token_loss(
     ``old_logp`` and the clip arguments are unused, ``dual_clip`` must be None."""
     if dual_clip is not None:
         raise ValueError("reinforce takes no dual clip: it has no importance ratio")
-    loss = -advantages.unsqueeze(1) * torch.where(mask != 0, logp, 0.0)
+    loss = -token_advantages(advantages) * torch.where(mask != 0, logp, 0.0)
     return loss, torch.zeros_like(logp, dtype=torch.bool)

@@ -84,11 +84,18 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
 
 def chat_prompts(tokenizer, questions: Sequence[Chat]) -> list[str]:
     """Each prompt through the chat template, ready for the assistant's reply: a plain string
-    as a single user turn, a list of turns (a system prompt first) as they are."""
-    return [
-        tokenizer.apply_chat_template(as_messages(q), tokenize=False, add_generation_prompt=True)
-        for q in questions
-    ]
+    as a single user turn, a list of turns (a system prompt first) as they are. A last
+    ``assistant`` turn is a prefill: its text follows the template's generation prompt as is, so
+    the completion continues it (and holds none of it)."""
+    return [_chat_prompt(tokenizer, as_messages(q)) for q in questions]
+
+
+def _chat_prompt(tokenizer, turns: list[dict[str, str]]) -> str:
+    prefill = ""
+    if turns and turns[-1]["role"] == "assistant":
+        prefill, turns = turns[-1]["content"], turns[:-1]
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return text + prefill
 
 
 @torch.no_grad()

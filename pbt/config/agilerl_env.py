@@ -28,14 +28,40 @@ def translate_environment(out: Translation, block: dict[str, Any]) -> None:
             out.problems.append(f"environment.{key} is not a known key; known: {known}")
             continue
         handler(out, value, renamed)
-    file, name = block.get("reward_file_path"), block.get("reward_fn_name")
-    if (file is None) != (name is None):
+    _reward(out, block)
+
+
+def _reward(out: Translation, block: dict[str, Any]) -> None:
+    """The file and the name in it of the reward -> ``task.reward``. AgileRL reads
+    ``rubric_file_path`` and ``reward_file_path`` as one key, and ``rubric_name`` and
+    ``reward_fn_name`` as another; the name is a reward function or an OpenEnv rubric."""
+    values = []
+    for keys in (("rubric_file_path", "reward_file_path"), ("rubric_name", "reward_fn_name")):
+        given = [k for k in keys if k in block]
+        if len(given) > 1:
+            out.problems.append(
+                f"environment.{given[0]} and environment.{given[1]} are one key in AgileRL; "
+                "give one of them"
+            )
+            return
+        values.append(block[given[0]] if given else None)
+    file, name = values
+    if file is None and name is None:
+        return
+    if file is None or name is None:
         out.problems.append(
-            "environment.reward_file_path and environment.reward_fn_name go together; give the "
-            "file and the name of reward_fn(completion, answer, question) in it"
+            "environment.reward_file_path (or rubric_file_path) and reward_fn_name (or "
+            "rubric_name) go together; give the file and the name in it of "
+            "reward_fn(completion, answer, question) or of an OpenEnv rubric"
         )
-    elif file is not None:
-        out.sets.append(("task.reward", {"file": file, "function": name}, "environment.reward_*"))
+        return
+    out.sets.append(("task.reward", {"file": file, "function": name}, "environment.reward"))
+    if "rubric_name" in block:
+        out.notes.append(
+            f"environment.rubric_name ({name!r}): a rubric is scored as task.reward, called with "
+            "the completion as action.message and the row's question and answer; only its total "
+            f"is logged (reward/{name}), not each component's score"
+        )
 
 
 def _dataset(out: Translation, value: Any, _: dict[str, str]) -> None:
@@ -69,11 +95,13 @@ def _split(out: Translation, value: Any, _: dict[str, str]) -> None:
 
 
 def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
-    """Turns ``{role}_{index}``: a system turn and one user turn; the user turn's ``{question}``
-    and ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
+    """Turns ``{role}_{index}``, in order: a system turn, one user turn and, last, an assistant
+    turn that starts the reply (``task.assistant_prefill``). The user turn's ``{question}`` and
+    ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
     if not isinstance(value, dict):
         out.problems.append(f"environment.prompt_template ({value!r}) must map turns to text")
         return
+    last = list(value)[-1] if value else None
     for turn, text in value.items():
         role = str(turn).rsplit("_", 1)[0]
         where = f"environment.prompt_template.{turn}"
@@ -83,19 +111,24 @@ def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
             for name in ("question", "answer"):
                 text = str(text).replace("{" + name + "}", "{" + renamed.get(name, name) + "}")
             out.sets.append(("task.prompt_template", text, where))
+        elif role == "assistant" and turn == last:
+            _prefill(out, str(text), where)
         else:
             out.problems.append(
-                f"{where} is refused: a {role} turn (a prefill of the answer) is not supported "
-                "here, and dropping it would change what the model is asked; move its text into "
-                "the user turn or remove it"
+                f"{where} is refused: only a last assistant turn (the start of the reply) is "
+                f"supported here, not a {role} turn before it, and dropping it would change what "
+                "the model is asked; move its text into the user turn or remove it"
             )
 
 
-def _refuse_rubric(out: Translation, value: Any, _: dict[str, str]) -> None:
-    out.problems.append(
-        f"environment.rubric_* ({value!r}) is refused: AgileRL rubrics are not read here; give "
-        "reward_file_path and reward_fn_name naming reward_fn(completion, answer, question)"
-    )
+def _prefill(out: Translation, text: str, where: str) -> None:
+    if "{question}" in text or "{answer}" in text:
+        out.problems.append(
+            f"{where} is refused: task.assistant_prefill is literal text, the same for every "
+            "row; move {question} or {answer} into the user turn"
+        )
+        return
+    out.sets.append(("task.assistant_prefill", text, where))
 
 
 def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
@@ -107,9 +140,12 @@ def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
 
 
 def _max_reward(out: Translation, value: Any, _: dict[str, str]) -> None:
+    """AgileRL's reasoning loop logs ``accuracy``, the share of a step's rewards equal to
+    ``max_reward``; it neither stops training nor enters fitness, so it is a note here."""
     out.notes.append(
-        f"environment.max_reward ({value!r}): fitness here is the mean reward on held-out rows; "
-        "give budget.target_fitness to stop at a score"
+        f"environment.max_reward ({value!r}): AgileRL only logs the share of training rewards "
+        "equal to it (accuracy) and does not stop there; it is not logged here, and fitness is "
+        "the mean held-out reward: give budget.target_fitness to stop at a score"
     )
 
 
@@ -127,7 +163,7 @@ _ENV_KEYS = {
     "max_reward": _max_reward,
     "reward_file_path": _skip,
     "reward_fn_name": _skip,
-    "rubric_file_path": _refuse_rubric,
+    "rubric_file_path": _skip,
     "rubric_name": _skip,
 }
 

@@ -245,21 +245,22 @@ INIT_HP_RULES: dict[str, KeyRule] = {
     "ELITISM": _rule("keep the best member unchanged", "population.elitism"),
     "EVO_STEPS": _rule("training steps between selections", "population.evo_steps"),
     "EVAL_LOOP": _rule("latest evaluations averaged into fitness", "population.fitness_window"),
-    "ADV_NORM": _refuse_unless(
-        lambda v: v == "mean_std",
-        "mean_std only (GRPO's advantage)",
-        "is refused: advantages here are (r - mean) / std; for no std "
-        "normalisation use algorithm.loss: dr_grpo",
+    "ADV_NORM": _rule(
+        "group advantages: mean_std (r - mean) / std, or mean_only r - mean",
+        "algorithm.advantage_norm",
     ),
-    "USE_KL_ADVANTAGE_SHAPING": _refuse_unless(
-        lambda v: not v,
-        "false only",
-        "is refused: the KL here is a loss term (algorithm.beta); set it to false",
+    "USE_KL_ADVANTAGE_SHAPING": _rule(
+        "the KL folded into each token's advantage instead of a loss term",
+        "algorithm.kl_in_advantage",
     ),
     "FILTER_ZERO_ADV": _refuse_unless(
         lambda v: not v,
-        "false only",
-        "is refused: to drop zero-signal groups use algorithm.dynamic_sampling: true",
+        "false (with a note); true is refused",
+        "is refused: a completion whose own advantage is 0 in a group with signal stays in the "
+        "loss here (whole groups without signal are always left out); set false",
+        note="groups whose rewards are all equal (every advantage 0) are always left out of the "
+        "loss here, where AgileRL keeps them: no policy term changes, but the loss is averaged "
+        "over the tokens that carry signal and those groups add no KL term",
     ),
     "CALC_POSITION_EMBEDDINGS": _note(
         "ignored", "position ids are always computed from the attention mask here; nothing to set"

@@ -90,6 +90,11 @@ class AlgorithmConfig:
     """Prompts per training step (each repeated ``group_size`` times)."""
     beta: float = 0.0
     """KL penalty coefficient against the reference (adapter disabled); 0 skips the reference pass."""
+    kl_in_advantage: bool = False
+    """GRPO/REINFORCE: fold the KL penalty into each token's advantage,
+    ``A_t = A + beta * (mean_t(kl) - kl_t)`` over the sequence's tokens, instead of adding
+    ``beta * kl`` to the loss (ART's KL advantage shaping, AgileRL's
+    ``USE_KL_ADVANTAGE_SHAPING``); the KL is detached there. No effect when ``beta`` is 0."""
     clip_low: float = 0.2
     """Lower clip: the ratio is kept above ``1 - clip_low``."""
     clip_high: float = 0.2
@@ -105,6 +110,11 @@ class AlgorithmConfig:
     """Completions per forward/backward (gradient accumulation); default: the mini-batch."""
     advantage_eps: float = 1e-4
     """Added to the group standard deviation before dividing."""
+    advantage_norm: Literal["mean_std", "mean_only"] | None = None
+    """GRPO's group advantages: ``mean_std`` ``(r - mean) / (std + eps)``, or ``mean_only``
+    ``r - mean`` (AgileRL's ``ADV_NORM``); null: the objective's own, ``mean_std`` for
+    ``grpo``, ``dapo``, ``cispo`` and ``gspo``. ``dr_grpo`` and REINFORCE are mean-only by
+    definition and refuse ``mean_std``."""
     vf_coef: float = 0.5
     """PPO: weight of the value (critic) loss added to the policy loss."""
     value_clip: float = 0.2
@@ -183,6 +193,7 @@ class AlgorithmConfig:
             "3 is usual; a larger value tolerates more skipped steps in a row",
         )  # fmt: skip
         problems += self._check_dual_clip(prefix)
+        problems += self._check_advantage_options(prefix)
         if self.name not in RL_ALGORITHMS:
             positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
             return problems + self._check_batches(prefix)
@@ -224,6 +235,35 @@ class AlgorithmConfig:
                 "lies above the clipped branch); use 3.0, or null to disable it"
             ]
         return []
+
+    def _check_advantage_options(self, prefix: str) -> list[str]:
+        """``advantage_norm`` and ``kl_in_advantage`` act on group advantages: GRPO's and
+        REINFORCE's, not PPO's (GAE over a critic) nor SFT's and DPO's (none)."""
+        problems: list[str] = []
+        has_groups = self.name in ("GRPO", "REINFORCE")
+        why = {"PPO": "PPO's advantages come from its critic (GAE)"}.get(
+            self.name, f"{self.name} has no advantages"
+        )
+        if self.advantage_norm is not None and not has_groups:
+            problems.append(
+                f"{prefix}.advantage_norm ({self.advantage_norm!r}) has no effect with "
+                f"{self.name}: {why}; remove it"
+            )
+        mean_only = {"REINFORCE": "REINFORCE", "GRPO": self.loss}.get(self.name)
+        if self.advantage_norm == "mean_std" and mean_only in ("REINFORCE", "dr_grpo"):
+            problems.append(
+                f"{prefix}.advantage_norm ('mean_std') contradicts {mean_only}, whose advantages "
+                "are r - baseline without the std by definition; use algorithm.name: GRPO with "
+                "loss: grpo for std-normalised advantages, or remove advantage_norm"
+            )
+        if self.kl_in_advantage and not has_groups:
+            if self.name == "PPO":
+                why = "PPO's KL is already a per-token reward (-beta * kl) in its GAE"
+            problems.append(
+                f"{prefix}.kl_in_advantage (true) has no effect with {self.name}: {why}; set it "
+                "to false"
+            )
+        return problems
 
     def _check_ppo(self, prefix: str) -> list[str]:
         problems = [] if self.group_size >= 1 else [

@@ -74,6 +74,12 @@ class Manifest:
                 "model sharded by distributed.fsdp is not; use engine: hf (or vllm) with FSDP2, "
                 "or data parallel members with engine: static"
             )
+        if self.task.assistant_prefill is not None and self.algorithm.name not in RL_ALGORITHMS:
+            problems.append(
+                f"task.assistant_prefill starts a sampled reply, but {self.algorithm.name} "
+                f"samples nothing (it learns the rows' responses); remove it, or use one of "
+                f"{', '.join(RL_ALGORITHMS)}"
+            )
         problems += self._check_model()
         problems += self._check_files()
         if self.training.compile and fsdp:

@@ -13,7 +13,8 @@ from pbt.config.rules import positive
 
 @dataclass(kw_only=True, slots=True)
 class RewardRef:
-    """A user reward function ``reward_fn(completion, answer, question) -> float`` in a file."""
+    """A user reward function ``reward_fn(completion, answer, question) -> float`` in a file, or
+    a rubric there (an OpenEnv ``Rubric`` instance or class, as AgileRL's ``rubric_name``)."""
 
     file: str
     """Path to a Python file, relative to the manifest's folder."""
@@ -62,7 +63,7 @@ class RewardRef:
         defined = [
             node.name
             for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
         ] + [
             target.id
             for node in tree.body
@@ -125,6 +126,11 @@ class TaskConfig:
     prompt_template: str | None = None
     """A format string over the row's fields that makes the user turn, e.g.
     ``"Solve: {question}"``; null: the question (or prompt) field as is."""
+    assistant_prefill: str | None = None
+    """RL: the start of the assistant's reply (literal text, e.g. ``"Let me think.\\n<think>"``),
+    written after the chat template's generation prompt; the model's completion continues it.
+    The reward sees the completion only, without the prefill (AgileRL's ``assistant_N`` turn of
+    ``prompt_template``)."""
     options: dict[str, Any] = field(default_factory=dict)
     """reasoning-gym: keyword arguments of the dataset's config (e.g. ``{min_digits: 2}``);
     ``size`` and ``seed`` are set from ``train_size + eval_size`` and ``training.seed``."""
@@ -169,6 +175,11 @@ class TaskConfig:
             problems.append(
                 f"{prefix}.eval_fraction ({self.eval_fraction}) must be between 0 and 1 "
                 "(exclusive); 0.1 holds out a tenth of train"
+            )
+        if self.assistant_prefill is not None and not self.assistant_prefill:
+            problems.append(
+                f"{prefix}.assistant_prefill ('') is empty; give the text that starts the reply, "
+                "or null for none"
             )
         problems += self._check_source(prefix)
         if self.reward is not None and self.rewards:
