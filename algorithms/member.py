@@ -247,9 +247,10 @@ class Member:
         barrier()
         return digest
 
-    def snapshot(self, path: str | Path) -> Callable[[], str] | None:
-        """Copy the member's state to host memory now; return, on rank 0, the call that writes
-        it to ``path`` as a checkpoint and returns its digest (None on other ranks).
+    def snapshot(self, path: str | Path) -> Snapshot | None:
+        """Copy the member's state to host memory now; return, on rank 0, the
+        :class:`Snapshot` whose call writes it to ``path`` as a checkpoint and returns its
+        digest (None on other ranks).
 
         The write needs neither the device nor the other ranks, so it may run while the model
         trains the next member. A collective: every rank calls it.
@@ -257,21 +258,28 @@ class Member:
         attributes = self.attributes()
         if self.world.rank != 0:
             return None
-        config = self._adapter_config()
-        return lambda: save_checkpoint(path, attributes, config)
+        return Snapshot(Path(path), attributes, self._adapter_config())
 
     def _adapter_config(self) -> dict[str, Any]:
         return adapter_config(
             self.model, adapter_dir_base(self.manifest.model.name, self.manifest.base_dir)
         )
 
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``.
+    def load(self, path: str | Path, held: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``,
+        or from ``held``: the same checkpoint's attributes already in host memory (a
+        :class:`Snapshot`'s, once written, whose digest the caller has matched), which are not
+        changed (on the CPU, where the optimizer would take them over, they are copied).
 
         Raises:
             CheckpointError: the checkpoint is invalid or belongs to another model or algorithm.
         """
-        attrs = load_checkpoint(path)
+        if held is None:
+            attrs = load_checkpoint(path)
+        elif torch.device(self.device).type == "cpu":
+            attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
+        else:
+            attrs = held
         self._check_compatible(attrs, path)
         named = self.learner.named_params
         saved = attrs["trainable"]
@@ -318,6 +326,24 @@ class Member:
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) parameter; the tensor itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Snapshot:
+    """A member's state in host memory; calling it writes the checkpoint and returns its
+    digest (kept as ``digest``)."""
+
+    def __init__(self, path: Path, attributes: dict[str, Any], config: dict[str, Any]) -> None:
+        self.path, self.attributes, self.config = path, attributes, config
+        self.digest: str | None = None
+
+    def __call__(self) -> str:
+        self.digest = save_checkpoint(self.path, self.attributes, self.config)
+        return self.digest
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data held."""
+        leaves = torch.utils._pytree.tree_leaves(self.attributes)
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def load_data(manifest: Manifest) -> Task:

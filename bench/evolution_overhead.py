@@ -79,7 +79,7 @@ def main() -> None:
                 launcher = PersistentLauncher(command, campaign / "workers", **common)
             else:
                 launcher = LocalLauncher(command, **common)
-            walls, works, fitness = [], [], []
+            walls, works, fitness, digests = [], [], [], {}
             try:
                 for generation in range(args.generations):
                     tasks = []
@@ -100,6 +100,7 @@ def main() -> None:
                                 "generation": generation,
                                 "parent_id": parent,
                                 "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
+                                "parent_digest": digests.get(parent),
                                 "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
                                 "mutation": "lr" if parent else None,
                                 "steps": args.steps,
@@ -112,10 +113,12 @@ def main() -> None:
                     walls.append(time.perf_counter() - start)
                     works.append(0.0)
                     phases = dict.fromkeys(("setup", "load", "save", "outside the task"), 0.0)
-                    written = 0.0
+                    written, from_memory = 0.0, 0
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
+                        digests[outcome.task_id] = outcome.result["digest"]
+                        from_memory += outcome.result.get("parent_from") == "memory"
                         works[-1] += outcome.result["productive_seconds"]
                         fitness.append(outcome.result["fitness"])
                         for name in ("setup", "load", "save"):
@@ -135,7 +138,7 @@ def main() -> None:
                         "  overhead a task: "
                         + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items())
                         + f" (checkpoint write {written / args.members:.2f} s, in the background "
-                        "on a long-lived worker)",
+                        f"on a long-lived worker; parents loaded from memory: {from_memory})",
                         flush=True,
                     )
             finally:

@@ -33,7 +33,12 @@ MANIFEST = {
         "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}},
     },
     "budget": {"generations": 5},
-    "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 5},
+    "launch": {
+        "slots": 2,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 5,
+        "persistent_workers": False,
+    },
     "training": {"seed": 7},
     "tracking": {"enabled": False},  # tracking has its own tests (test_campaign_tracking.py)
 }

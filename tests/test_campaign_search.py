@@ -27,7 +27,7 @@ MANIFEST = {
     "mutation": {"ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}}},
     "budget": {"generations": 4},
     "population": {"size": 4},
-    "launch": {"slots": 4},
+    "launch": {"slots": 4, "persistent_workers": False},
     "training": {"seed": 5},
     "tracking": {"enabled": False},
 }

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pbt.controller.store import CampaignStore
+from pbt.protocol.files import read_json
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,12 @@ MANIFEST = {
         "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
     },
     "budget": {"generations": 3},
-    "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 120},
+    "launch": {
+        "slots": 2,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 120,
+        "persistent_workers": False,
+    },
 }
 PBT = [sys.executable, "-m", "pbt.cli"]
 
@@ -155,6 +161,11 @@ def test_long_lived_workers_train_the_same_members(
     assert len(served) == len(_decisions(reference))  # every task went to a live worker
     assert len({p.parent.parent for p in served}) == MANIFEST["launch"]["slots"]
     assert not any(_alive(p) for p in (directory / "workers").glob("slot*/pgid"))  # all ended
+    # a parent trained by the same worker is loaded from its memory, not from disk
+    froms = [
+        read_json(p)["parent_from"] for p in (directory / "tasks").glob("g00[12]-*/result.json")
+    ]
+    assert "memory" in froms and set(froms) <= {"memory", "disk"}, froms
 
 
 def _alive(pgid_file: Path) -> bool:

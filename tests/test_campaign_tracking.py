@@ -36,7 +36,7 @@ MANIFEST = {
     "population": {"size": 3, "init_sampler": "random"},
     "mutation": {"rl_hp": 1.0, "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}}},
     "budget": {"generations": 3},
-    "launch": {"slots": 3},
+    "launch": {"slots": 3, "persistent_workers": False},
     "training": {"seed": 11},
 }
 

@@ -27,7 +27,12 @@ MANIFEST = {
     "population": {"init_sampler": "random"},
     "mutation": {"rl_hp": 1.0, "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}}},
     "budget": {"generations": 3},
-    "launch": {"slots": 3, "max_attempts": 2, "heartbeat_timeout_s": 10},
+    "launch": {
+        "slots": 3,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 10,
+        "persistent_workers": False,
+    },
     "training": {"seed": 9},
     "tracking": {"enabled": False},
 }

@@ -433,7 +433,12 @@ def test_a_diverged_member_is_retried_from_its_parent_then_replaced(tmp_path):
         {
             "INIT_HP": {"POP_SIZE": 3, "TOURNAMENT_SIZE": 2, "ELITISM": True, "EVO_STEPS": 2},
             "budget": {"generations": 2},
-            "launch": {"slots": 3, "max_attempts": 2, "heartbeat_timeout_s": 30},
+            "launch": {
+                "slots": 3,
+                "max_attempts": 2,
+                "heartbeat_timeout_s": 30,
+                "persistent_workers": False,
+            },
             "tracking": {"enabled": False},
         },
     )

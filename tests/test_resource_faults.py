@@ -32,7 +32,12 @@ MANIFEST = {
     "population": {"init_sampler": "random"},
     "mutation": {"rl_hp": 1.0, "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}}},
     "budget": {"generations": 3},
-    "launch": {"slots": 3, "max_attempts": 2, "heartbeat_timeout_s": 30},
+    "launch": {
+        "slots": 3,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 30,
+        "persistent_workers": False,
+    },
     "training": {"seed": 5},
     "tracking": {"enabled": False},
 }
@@ -262,7 +267,13 @@ REAL_MEMBER = {
     "training": {"seed": 3, "device": "cpu"},
     "population": {"size": 1, "tournament_size": 1, "evo_steps": 1},
     "budget": {"generations": 1},
-    "launch": {"slots": 1, "max_attempts": 2, "memory_limit_gib": 0.4, "heartbeat_timeout_s": 60},
+    "launch": {
+        "slots": 1,
+        "max_attempts": 2,
+        "memory_limit_gib": 0.4,
+        "heartbeat_timeout_s": 60,
+        "persistent_workers": False,
+    },
     "tracking": {"enabled": False},
 }
 

@@ -225,7 +225,12 @@ MANIFEST = {
         "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
     },
     "budget": {"generations": 2},
-    "launch": {"slots": 2, "max_attempts": 2, "heartbeat_timeout_s": 120},
+    "launch": {
+        "slots": 2,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 120,
+        "persistent_workers": False,
+    },
 }
 SLURM = {"backend": "slurm", "slurm": {"time": "00:10:00", "poll_s": 0.3}}
 
@@ -267,6 +272,20 @@ def test_a_slurm_campaign_decides_as_the_local_one(tmp_path: Path, local_referen
     for row in launches:
         job = read_job(tmp_path / "c" / "tasks" / row["member_id"])
         assert job["job_id"] == row["launch_id"] and job["state"] == "COMPLETED"
+
+
+def test_long_lived_worker_jobs_decide_as_the_local_one(tmp_path: Path, local_reference) -> None:
+    """``launch.persistent_workers`` on Slurm: one long-running job per slot takes member after
+    member from its inbox; the campaign's end cancels nothing left running."""
+    manifest = _manifest(tmp_path, "workers", **SLURM, persistent_workers=True)
+    _pbt("run", str(manifest), "--dir", str(tmp_path / "c"))
+    assert _decisions(tmp_path / "c") == local_reference
+    jobs = [read_job(p) for p in sorted((tmp_path / "c" / "workers").glob("slot*"))]
+    assert len(jobs) == 2 and all(j is not None for j in jobs)
+    queue = SlurmQueue(poll_s=0)
+    assert all(queue.state(j["job_id"]).ended for j in jobs)
+    served = sorted((tmp_path / "c" / "workers").glob("slot*/inbox/*.json"))
+    assert len(served) == 4
 
 
 def test_a_member_spans_two_nodes(tmp_path: Path) -> None:

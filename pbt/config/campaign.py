@@ -239,11 +239,12 @@ class LaunchConfig:
     mappings (``RLIMIT_DATA``), not GPU memory. Past it an allocation fails, the member is
     recorded as ``out_of_memory`` and retried or replaced, and the machine stays responsive
     for the other members. Unset: no limit."""
-    persistent_workers: bool = False
+    persistent_workers: bool = True
     """Keep one worker group per slot alive for the whole campaign: the base model loads once
-    per slot, and the next member costs an adapter, optimizer and RNG load (megabytes), not a
-    process start and a model load. A member that fails takes its worker down; a fresh one
-    serves the next task."""
+    per slot, and the next member costs an adapter, optimizer and RNG load (megabytes, from the
+    worker's memory when it trained the parent itself), not a process start and a model load.
+    A member that fails takes its worker down; a fresh one serves the next task. ``false``
+    starts a process group per member task (isolation, at the price of a model load each)."""
 
     @property
     def ranks(self) -> int:

@@ -496,6 +496,11 @@ class Campaign:
                 "generation": m.generation,
                 "parent_id": m.parent_id,
                 "parent_checkpoint": m.parent_checkpoint,
+                "parent_digest": (
+                    self.store.checkpoint_digest(m.parent_checkpoint)
+                    if m.parent_checkpoint
+                    else None
+                ),
                 "hyperparameters": m.hyperparameters,
                 "mutation": m.mutation,
                 "steps": self.manifest.population.evo_steps,

@@ -396,14 +396,14 @@ class PersistentLauncher(LocalLauncher):
         command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
         workers_dir: where the slot folders go (a campaign's ``workers/``).
         idle_timeout_s: passed to the workers.
-        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.05 here, since a task's
+        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.01 here, since a task's
             end is the next one's start on the same worker, and every check waited is idle.
     """
 
     def __init__(
         self, command: list[str], workers_dir: Path, idle_timeout_s: float = 900.0, **kwargs
     ) -> None:
-        kwargs.setdefault("poll_s", 0.05)
+        kwargs.setdefault("poll_s", 0.01)
         super().__init__(command, **kwargs)
         self.workers_dir = Path(workers_dir)
         self.idle_timeout_s = idle_timeout_s

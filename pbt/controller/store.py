@@ -424,6 +424,11 @@ class CampaignStore:
             )
         return json.loads(rows[0]["controller_state"])
 
+    def checkpoint_digest(self, path: str) -> str | None:
+        """The digest recorded for checkpoint ``path``, or None."""
+        rows = self._read("SELECT digest FROM checkpoints WHERE path = ?", (path,))
+        return rows[0]["digest"] if rows and rows[0]["digest"] else None
+
     def register_checkpoint(self, path: str, digest: str | None) -> None:
         """Record a checkpoint written to disk; it counts as referenced until the next commit
         decides otherwise, so a member's fresh checkpoint is never collected mid-generation."""

@@ -20,6 +20,7 @@ traceback follows in the log).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -95,8 +96,11 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
         host = Host(manifest, device)
     member = Member(manifest, device, task["member_id"], host=host)
     marks.append(("setup", time.perf_counter()))
+    held = None
+    if parent and world.world_size == 1:
+        held = STATES.get(task["parent_checkpoint"], task.get("parent_digest"))
     if parent:
-        member.load(parent)
+        member.load(parent, held)
     member.learner.apply_hyperparameters(task["hyperparameters"])
     seed = member_seed(manifest.training.seed, task["member_id"])
     seed_everything(seed + world.rank)
@@ -139,8 +143,46 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
         "timings": timings,
         "world_size": world.world_size,
         "device": str(torch.device(member.device)),
+        "parent_from": None if not parent else "memory" if held is not None else "disk",
     }
+    if write is not None and world.world_size == 1:
+        write.cache_as = task["checkpoint"]  # kept once written: a child here needs no disk read
     return result, host, write
+
+
+class StateCache:
+    """Members' states this worker snapshotted, in host memory by checkpoint path and digest,
+    the oldest dropped past ``max_bytes``: a child of a member trained here loads its parent
+    from memory, not from disk (whose copy is still written, for resume and other workers)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._held: collections.OrderedDict[str, tuple[str, dict[str, Any], int]] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def put(self, path: str, digest: str, attributes: dict[str, Any], nbytes: int) -> None:
+        with self._lock:
+            self._held.pop(path, None)
+            if nbytes > self.max_bytes:
+                return
+            self._held[path] = (digest, {**attributes, "digest": digest}, nbytes)
+            while sum(n for _, _, n in self._held.values()) > self.max_bytes:
+                self._held.popitem(last=False)
+
+    def get(self, path: str, digest: str | None) -> dict[str, Any] | None:
+        """The attributes of checkpoint ``path`` when held with exactly ``digest``."""
+        with self._lock:
+            found = self._held.get(path)
+            if digest is None or found is None or found[0] != digest:
+                return None
+            self._held.move_to_end(path)
+            return found[1]
+
+
+STATES = StateCache(int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**30))
+"""The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8)."""
 
 
 def _train(member, steps: int) -> list[dict[str, float]]:
@@ -204,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.02) -> int:
+def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) -> int:
     """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
 
     Every rank reads the same inbox, so the group agrees on each task without a collective
@@ -277,6 +319,9 @@ class _Writer(threading.Thread):
         try:
             with self.heartbeat:
                 result = finish_task(self.result, self.write)
+                path = getattr(self.write, "cache_as", None)
+                if path is not None and result.get("digest"):
+                    STATES.put(path, result["digest"], self.write.attributes, self.write.nbytes())
                 write_json_atomic(self.task_dir / "result.json", result)
         except BaseException as err:
             kind = faults.report(self.task_dir, err, exit_code=2)
