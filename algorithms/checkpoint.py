@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +62,7 @@ def save_checkpoint(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        attributes = {**attributes, "format_version": FORMAT_VERSION}
+        attributes = _canonical({**attributes, "format_version": FORMAT_VERSION})
         digest = _write_manifest(tmp, _write_files(tmp, attributes, adapter_config))
         _replace_dir(tmp, path)
     except BaseException as err:
@@ -71,6 +72,21 @@ def save_checkpoint(
             raise CheckpointError(_write_failure(path, cause)) from cause
         raise
     return digest
+
+
+def _canonical(obj: Any) -> Any:
+    """``obj`` with every string interned, in rebuilt containers: pickle shares equal strings
+    only when they are one object, so without this the same state saves to different bytes
+    (and digests) depending on whether its keys came from code or from an unpickled file."""
+    if isinstance(obj, str):
+        return sys.intern(obj)
+    if isinstance(obj, dict):
+        return {_canonical(k): _canonical(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_canonical(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_canonical(v) for v in obj)
+    return obj
 
 
 TMP_MARK = ".tmp-"

@@ -168,6 +168,30 @@ def test_long_lived_workers_train_the_same_members(
     assert "memory" in froms and set(froms) <= {"memory", "disk"}, froms
 
 
+def test_members_trained_at_once_equal_members_trained_one_at_a_time(
+    reference: tuple[Path, str], tmp_path: Path
+):
+    """Two members at a time (the reference: two slots, as ``members_per_gpu: 2`` runs them on
+    one GPU) against one at a time on one long-lived worker: bit for bit the same members, at
+    the same number of threads per member."""
+    path = tmp_path / "one_slot.yaml"
+    launch = {**MANIFEST["launch"], "slots": 1, "persistent_workers": True}
+    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    directory = tmp_path / "campaign"
+    # the reference's two slots ran a thread each; one thread here too, or the float sums of
+    # CPU matmuls are ordered differently (same decisions, other last bits)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*PBT, "run", str(path), "--dir", str(directory)],
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _decisions(directory) == _decisions(reference[0])
+    assert _digests(directory) == _digests(reference[0])
+    froms = [
+        read_json(p)["parent_from"] for p in (directory / "tasks").glob("g00[12]-*/result.json")
+    ]
+    assert froms and set(froms) == {"memory"}, froms  # one worker trained every parent
+
+
 def _alive(pgid_file: Path) -> bool:
     try:
         os.killpg(int(pgid_file.read_text()), 0)

@@ -292,6 +292,25 @@ def test_gpu_groups_and_ports_are_disjoint(fake_member: Path, tmp_path: Path) ->
     assert ports <= {"--port=29700", "--port=29710"}
 
 
+def test_members_per_gpu_share_a_gpu_group_with_ports_of_their_own(
+    fake_member: Path, tmp_path: Path
+) -> None:
+    """``members_per_gpu: 2``: four slots on two GPUs, two members on each at once."""
+    tasks = [make_task(tmp_path, f"g000-m{i:02d}", "slow_ok") for i in range(4)]
+    slots_of: dict[str, int] = {}
+    run = launcher(fake_member, 4, gpus_per_member=1, gpu_ids=[5, 7], members_per_gpu=2,
+                   base_port=29800)  # fmt: skip
+    outcomes = run.run(tasks, on_start=lambda t, slot: slots_of.setdefault(t.task_id, slot))
+    assert [o.status for o in outcomes] == ["ok"] * 4
+    for outcome in outcomes:
+        expected = "5" if slots_of[outcome.task_id] < 2 else "7"
+        assert outcome.result["cuda_visible_devices"] == expected
+    assert overlaps([(o.result["start"], o.result["end"]) for o in outcomes]) == 4
+    assert len({o.result["argv"][1] for o in outcomes}) == 4  # a port each
+    with pytest.raises(ValueError, match="members_per_gpu"):
+        launcher(fake_member, 5, gpus_per_member=1, gpu_ids=[5, 7], members_per_gpu=2)
+
+
 def test_busy_port_is_skipped(fake_member: Path, tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

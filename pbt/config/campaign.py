@@ -229,7 +229,13 @@ class LaunchConfig:
     slots: int = 1
     """Members trained at once; more wait in a queue."""
     gpu_ids: list[int] | None = None
-    """GPUs the campaign may use; default ``0 .. slots * gpus_per_member - 1``."""
+    """GPUs the campaign may use; default ``0 ..`` as many as the slots need."""
+    members_per_gpu: int = 1
+    """Members trained at once on each GPU (each its own worker): slots ``0 .. k-1`` share the
+    first GPUs, and so on. A model that leaves the GPU mostly idle (a 0.5B member uses a few
+    percent of an H200's memory bandwidth) trains several members in the time of one; each
+    member needs its own memory (the base model once per worker, its adapter, optimizer and
+    activations): check the peak a member reports (``peak_memory_gib`` in its result)."""
     max_attempts: int = 2
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: float = 300.0
@@ -245,6 +251,12 @@ class LaunchConfig:
     worker's memory when it trained the parent itself), not a process start and a model load.
     A member that fails takes its worker down; a fresh one serves the next task. ``false``
     starts a process group per member task (isolation, at the price of a model load each)."""
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs the slots take: ``ceil(slots / members_per_gpu) * gpus_per_member`` (derived)."""
+        per = max(1, self.members_per_gpu)
+        return -(-self.slots // per) * self.gpus_per_member
 
     @property
     def ranks(self) -> int:
@@ -277,10 +289,19 @@ class LaunchConfig:
                 f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) is for the local backend; "
                 f'on Slurm give {prefix}.slurm.mem (per node, e.g. "64G") instead'
             )
-        if self.gpu_ids is not None and len(self.gpu_ids) < self.slots * self.gpus_per_member:
+        positive(problems, f"{prefix}.members_per_gpu", self.members_per_gpu)
+        if self.members_per_gpu > 1 and (self.gpus_per_member == 0 or self.backend != "local"):
             problems.append(
-                f"{prefix}.gpu_ids has {len(self.gpu_ids)} GPUs but slots * gpus_per_member = "
-                f"{self.slots * self.gpus_per_member}; list more GPUs or lower slots"
+                f"{prefix}.members_per_gpu ({self.members_per_gpu}) shares GPUs between the local "
+                f"backend's slots; with {'no GPUs' if self.gpus_per_member == 0 else 'Slurm'} "
+                "it has nothing to share: leave it at 1"
+            )
+        if self.gpu_ids is not None and len(self.gpu_ids) < self.gpus_needed:
+            problems.append(
+                f"{prefix}.gpu_ids has {len(self.gpu_ids)} GPUs but the slots need "
+                f"{self.gpus_needed} (slots {self.slots} / members_per_gpu {self.members_per_gpu}"
+                f", rounded up, x gpus_per_member {self.gpus_per_member}); list more GPUs or "
+                "lower slots"
             )
         return problems
 

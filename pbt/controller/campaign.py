@@ -551,6 +551,7 @@ class Campaign:
             slots=launch.slots,
             gpus_per_member=launch.gpus_per_member,
             gpu_ids=launch.gpu_ids,
+            members_per_gpu=launch.members_per_gpu,
             heartbeat_timeout_s=launch.heartbeat_timeout_s,
             task_timeout_s=launch.task_timeout_s,
             env=env,

@@ -136,7 +136,9 @@ class LocalLauncher:
             of ``task.json`` is appended.
         slots: tasks run at once.
         gpus_per_member: GPUs per slot; 0 runs members on the CPU (``CUDA_VISIBLE_DEVICES=""``).
-        gpu_ids: GPUs to split into slots; default ``0 .. slots * gpus_per_member - 1``.
+        gpu_ids: GPUs to split into slots; default ``0 ..`` as many as the slots need.
+        members_per_gpu: slots sharing each GPU group: slots ``0 .. k-1`` get the first
+            ``gpus_per_member`` GPUs, the next ``k`` the next ones.
         heartbeat_timeout_s: a task whose heartbeat is older than this (or missing this long
             after start) is killed.
         task_timeout_s: a task running longer than this is killed; None: no limit.
@@ -161,8 +163,10 @@ class LocalLauncher:
         base_port: int = 29600,
         env: dict[str, str] | None = None,
         memory_limit_bytes: int | None = None,
+        members_per_gpu: int = 1,
     ) -> None:
-        ids = list(range(slots * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
+        groups = -(-slots // max(1, members_per_gpu))
+        ids = list(range(groups * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
         positive = {"slots": slots, "heartbeat_timeout_s": heartbeat_timeout_s, "poll_s": poll_s}
         positive["task_timeout_s"] = 1 if task_timeout_s is None else task_timeout_s
         problems = [f"{key} ({value}) must be > 0" for key, value in positive.items() if value <= 0]
@@ -170,12 +174,15 @@ class LocalLauncher:
             problems.append("command is empty; give the program to run, e.g. torchrun's argv")
         if memory_limit_bytes is not None and memory_limit_bytes <= 0:
             problems.append(f"memory_limit_bytes ({memory_limit_bytes}) must be > 0 or None")
+        if members_per_gpu < 1:
+            problems.append(f"members_per_gpu ({members_per_gpu}) must be >= 1")
         if gpus_per_member < 0:
             problems.append(f"gpus_per_member ({gpus_per_member}) must be >= 0")
-        elif len(set(ids)) != len(ids) or len(ids) < slots * gpus_per_member:
+        elif len(set(ids)) != len(ids) or len(ids) < groups * gpus_per_member:
             problems.append(
-                f"gpu_ids ({ids}) must be slots ({slots}) x gpus_per_member ({gpus_per_member}) "
-                "distinct GPUs or more; lower slots or list more GPUs"
+                f"gpu_ids ({ids}) must be ceil(slots ({slots}) / members_per_gpu "
+                f"({members_per_gpu})) x gpus_per_member ({gpus_per_member}) distinct GPUs or "
+                "more; lower slots or list more GPUs"
             )
         if problems:
             raise ValueError("LocalLauncher: " + "; ".join(problems))
@@ -186,8 +193,8 @@ class LocalLauncher:
         self.started: dict[str, str] = {}
         """Task id -> the process group id (or job id) that runs its latest attempt."""
         self.slot_gpus = [
-            ",".join(str(g) for g in ids[i * gpus_per_member : (i + 1) * gpus_per_member])
-            for i in range(slots)
+            ",".join(str(g) for g in ids[j * gpus_per_member : (j + 1) * gpus_per_member])
+            for j in (i // max(1, members_per_gpu) for i in range(slots))
         ]
         """``CUDA_VISIBLE_DEVICES`` of each slot ("" on CPU)."""
 

@@ -82,6 +82,8 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     from pbt.distributed import pick_device, world_info
 
     marks = [("start", time.perf_counter())]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     campaign = Path(task["campaign_dir"])
     checkpoint = inside(campaign, task["checkpoint"], "checkpoints", "the task's checkpoint")
     parent = task["parent_checkpoint"]
@@ -144,6 +146,11 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
         "world_size": world.world_size,
         "device": str(torch.device(member.device)),
         "parent_from": None if not parent else "memory" if held is not None else "disk",
+        "peak_memory_gib": (
+            torch.cuda.max_memory_allocated() / 2**30
+            if torch.device(member.device).type == "cuda"
+            else None
+        ),
     }
     if write is not None and world.world_size == 1:
         write.cache_as = task["checkpoint"]  # kept once written: a child here needs no disk read

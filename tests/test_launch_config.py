@@ -1,5 +1,6 @@
-"""The Slurm backend without a cluster: its settings' rules, the batch script it writes, job
-states as return codes, and what ``pbt submit`` and ``pbt stop`` refuse."""
+"""The launch settings without a cluster: members sharing a GPU, the Slurm backend's rules,
+the batch script it writes, job states as return codes, and what ``pbt submit`` and ``pbt
+stop`` refuse."""
 
 from __future__ import annotations
 
@@ -118,3 +119,17 @@ def test_submit_files_do_not_block_the_campaign_folder(tmp_path: Path) -> None:
     (folder / "other").unlink()
     Campaign.start(manifest, folder).close()  # pbt submit's own files are allowed
     assert (folder / "store.db").exists() and (folder / "controller.sbatch").exists()
+
+
+def test_members_per_gpu_rules() -> None:
+    def problems(**launch) -> list[str]:
+        return LaunchConfig(**launch).check("launch")
+
+    assert problems(gpus_per_member=1, slots=8, members_per_gpu=8, gpu_ids=[0]) == []
+    assert LaunchConfig(gpus_per_member=2, slots=5, members_per_gpu=2).gpus_needed == 6
+    (short,) = problems(gpus_per_member=1, slots=8, members_per_gpu=4, gpu_ids=[0])
+    assert "launch.gpu_ids has 1 GPUs but the slots need 2" in short
+    (cpu,) = problems(slots=2, members_per_gpu=2)
+    assert "launch.members_per_gpu (2)" in cpu and "no GPUs" in cpu
+    (zero,) = problems(gpus_per_member=1, members_per_gpu=0)
+    assert "launch.members_per_gpu" in zero
