@@ -1,5 +1,5 @@
 """Live progress: the heartbeat's payload, the controller's display (plain lines and tqdm bars),
-and the lines a real campaign prints without a terminal."""
+``pbt status`` on a running member, and the lines a real campaign prints without a terminal."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import write_manifest
 
 from pbt.config.errors import PbtError
+from pbt.controller.campaign import Campaign
 from pbt.controller.launch import TaskSpec
 from pbt.controller.progress import (
     Plan,
@@ -24,6 +26,7 @@ from pbt.controller.progress import (
     every_s_from_env,
     format_duration,
 )
+from pbt.controller.report import status_text
 from pbt.protocol.files import Heartbeat
 from pbt.protocol.progress import Progress, ProgressReport, read_progress
 
@@ -200,6 +203,34 @@ def test_progress_every_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
             PbtError, match=r"PBT_PROGRESS_EVERY \(.*\) must be a number of seconds"
         ):
             every_s_from_env()
+
+
+# -- pbt status --------------------------------------------------------------------------------
+
+
+def test_status_shows_a_running_members_progress(tmp_path: Path):
+    manifest = write_manifest(
+        tmp_path / "manifest.yaml",
+        {"INIT_HP": {"POP_SIZE": 2, "TOURNAMENT_SIZE": 2, "EVO_STEPS": 10, "LR": 1e-4}},
+        tracking={"enabled": False},
+    )
+    directory = tmp_path / "c"
+    campaign = Campaign.start(manifest, directory, member_command=["true"])
+    try:
+        for m in campaign.store.members(0):
+            m.status, m.attempts = "running", 1
+            campaign.store.update_member(m)
+    finally:
+        campaign.close()
+    _task(directory, "g000-m00", _training(3, 10, 12.0))
+    text = status_text(directory)
+    running = text.split("running:\n", 1)[1].splitlines()
+    assert re.fullmatch(
+        r"  g000-m00  step 3/10 reward 0\.410 312 tok/s eta 12 s \(heartbeat 0 s ago\)  "
+        r"log .*/logs/g000-m00\.attempt1\.log",
+        running[0],
+    ), running[0]
+    assert running[1].startswith("  g000-m01  no heartbeat yet  log "), running[1]
 
 
 # -- a real campaign, without a terminal -------------------------------------------------------
