@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -326,6 +328,23 @@ def test_train_population_resumes_exactly(tmp_path):
             output_dir=out,
             tracking=False,
         )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_train_population_draws_a_bar_while_a_member_trains_on_a_terminal(tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    pop = _population(tmp_path)
+    train_population(pop, steps=2, evo_steps=2, output_dir=tmp_path / "run", tracking=False)
+    drawn = terminal.getvalue()
+    for member in ("g000-m00", "g000-m01"):
+        bar = rf"  {member}: +\d+%\|.*\| [12]/2 \[.*, reward \d\.\d{{3}} \d+ tok/s\]"
+        assert re.search(bar, drawn), drawn
+        assert re.search(rf"\] +{member} step 2: reward", drawn), drawn  # its line, as before
 
 
 def test_train_population_rejects_bad_intervals(tmp_path):

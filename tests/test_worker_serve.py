@@ -11,6 +11,7 @@ import pytest
 from pbt.algorithms.checkpoint import load_checkpoint
 from pbt.controller.launch import PersistentLauncher, TaskSpec, member_command
 from pbt.protocol.files import RELEASED, write_json_atomic
+from pbt.protocol.progress import read_progress
 
 pytestmark = pytest.mark.integration  # each test runs a real long-lived worker under torchrun
 
@@ -61,7 +62,7 @@ def _launcher(campaign: Path, **env: str) -> PersistentLauncher:
 def test_served_tasks_are_released_then_write_their_checkpoints(tmp_path: Path):
     """Three tasks on one worker, the third loading the first's checkpoint: each is released
     before its result, and each result names the digest of the checkpoint on disk, whose
-    timings account for the background write."""
+    timings account for the background write; each heartbeat ends with the task's progress."""
     campaign = tmp_path / "campaign"
     tasks = _tasks(campaign, [("a", None), ("b", None), ("c", "a")])
     launcher = _launcher(campaign)
@@ -76,6 +77,9 @@ def test_served_tasks_are_released_then_write_their_checkpoints(tmp_path: Path):
         assert outcome.result["digest"] == checkpoint["digest"]
         assert outcome.result["write_s"] > 0
         assert checkpoint["lineage"]["member"] == task.task_id
+        progress = read_progress(task.task_dir / "heartbeat")
+        assert (progress.phase, progress.step, progress.steps) == ("saving", 1, 1)
+        assert progress.reward is not None and progress.tokens_per_s > 0
     assert outcomes[2].result["steps"] == 2  # c went on from a's checkpoint
     served = sorted((campaign / "workers" / "slot0" / "inbox").glob("*.json"))
     assert len(served) == 3  # one worker served all three

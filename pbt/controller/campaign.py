@@ -57,6 +57,7 @@ from pbt.controller.population import (
     lineage_event,
     selection_events,
 )
+from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
 from pbt.controller.search import (
     OptunaSearch,
     record_initial_fitness,
@@ -108,7 +109,7 @@ class Campaign:
         self.selection = build_selection(self.manifest)
         self.mutations = build_mutations(self.manifest)
         self.member_command = member_command
-        self.say = print
+        self.say = _say
         self.log = CampaignLog(directory, self.manifest)
         self._workers: PersistentLauncher | None = None
 
@@ -419,6 +420,7 @@ class Campaign:
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
         self.log.members_started(pending)
         attempts: dict[str, int] = {}
+        display = self._progress(generation, launcher.slots)
 
         def started(task: TaskSpec, _slot: int) -> None:
             if task.adopt is None:
@@ -435,7 +437,8 @@ class Campaign:
             crash_point("launch")
             tasks = [self._task(m, adopted.pop(m.member_id, None)) for m in pending]
             attempts.update({m.member_id: m.attempts for m in pending})
-            outcomes = launcher.run(tasks, on_start=started)
+            with display:  # its bars end with the round, before the members' lines
+                outcomes = launcher.run(tasks, on_start=started, on_poll=display.poll)
             retry, disk_full, lost = [], None, []
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
@@ -457,6 +460,15 @@ class Campaign:
                 self._stop_for_disk(*disk_full)
             pending = retry
         return gpu_seconds
+
+    def _progress(self, generation: int, slots: int) -> ProgressDisplay:
+        """What shows ``generation``'s members as they train (:mod:`pbt.controller.progress`);
+        the mean generation time so far is the store's."""
+        mean = None
+        if generation > 0:
+            mean = self.store.controller_state(generation - 1)["elapsed_s"] / generation
+        plan = Plan(generation, self.manifest.budget.generations, slots, mean)
+        return ProgressDisplay(plan, say=self.say, every_s=every_s_from_env())
 
     def _stop_for_disk(self, m: MemberRecord, outcome: Outcome) -> None:
         """A full disk is not the member's fault: clones would fail the same way. Stop, with
@@ -670,6 +682,11 @@ class Campaign:
             for leftover in folder.glob(".*"):
                 if ".tmp-" in leftover.name or ".old-" in leftover.name:
                     _remove(leftover)
+
+
+def _say(line: str) -> None:
+    """The controller's output: flushed, so a log shows each line as it happens."""
+    print(line, flush=True)
 
 
 def _signal_figures(metrics: dict[str, Any]) -> dict[str, float]:

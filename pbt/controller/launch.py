@@ -3,7 +3,9 @@
 The protocol, all JSON files in one task directory, all written atomically:
 
 - the controller writes ``task.json``; the member gets its path as its last argument;
-- the member touches ``heartbeat`` every few seconds while alive (:class:`Heartbeat`);
+- the member touches ``heartbeat`` every few seconds while alive (:class:`Heartbeat`); the
+  launcher reads only its modification time, the controller's display its content, the
+  member's progress (:mod:`pbt.protocol.progress`);
 - on success the member writes ``result.json`` with at least ``{"status": "ok"}``.
 
 :class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
@@ -203,12 +205,14 @@ class LocalLauncher:
         tasks: list[TaskSpec],
         on_start: Callable[[TaskSpec, int], object] | None = None,
         on_done: Callable[[Outcome], object] | None = None,
+        on_poll: Callable[[list[TaskSpec], list[TaskSpec]], object] | None = None,
     ) -> list[Outcome]:
         """Run every task and return their outcomes in the order of ``tasks``.
 
         ``on_start(task, slot)`` and ``on_done(outcome)`` are called from this thread as tasks
-        start and end. On any exception (KeyboardInterrupt included) every running process group
-        is killed before it propagates.
+        start and end, ``on_poll(running, queued)`` after each check of the running tasks
+        (every ``poll_s``), where progress is shown. On any exception (KeyboardInterrupt
+        included) every running process group is killed before it propagates.
         """
         self._check_tasks(tasks)
         queue = collections.deque(enumerate(tasks))
@@ -237,6 +241,8 @@ class LocalLauncher:
                     outcomes[item.index] = outcome
                     if on_done is not None:
                         on_done(outcome)
+                if on_poll is not None:
+                    on_poll([item.task for item in running], [task for _, task in queue])
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:

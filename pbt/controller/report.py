@@ -7,11 +7,14 @@ after it stopped, and after a crash.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from pbt.config.errors import PbtError
+from pbt.controller.progress import describe, format_duration
 from pbt.controller.slurm import WAITING, read_job
 from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.protocol.progress import read_progress
 from pbt.protocol.records import MemberRecord
 
 
@@ -23,8 +26,8 @@ def _open(directory: Path) -> CampaignStore:
 
 def status_text(directory: Path) -> str:
     """Generation, each member's status (``collapsed`` for one ended for lack of signal),
-    fitness, zero-signal fraction (mean over its steps / last step) and hyperparameters, and
-    every fault."""
+    fitness, zero-signal fraction (mean over its steps / last step) and hyperparameters, each
+    running member's progress (from its heartbeat) and log, and every fault."""
     with _open(directory) as store:
         members = store.members()
         faults = store.faults()
@@ -53,13 +56,25 @@ def status_text(directory: Path) -> str:
 
 
 def _running_line(directory: Path, m: MemberRecord, job: dict | None) -> str:
-    """Where a running member is: its job (state, and why it waits) and its log."""
+    """Where a running member is: its job (state, and why it waits), its progress and its
+    log."""
     log = directory / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
     where = ""
     if job is not None:
         reason = f" ({job['reason']})" if job.get("reason") else ""
         where = f"job {job['job_id']} {job.get('state', '?')}{reason}  "
-    return f"  {m.member_id}  {where}log {log}"
+    progress = _progress(directory / "tasks" / m.member_id / "heartbeat")
+    return f"  {m.member_id}  {where}{progress}  log {log}"
+
+
+def _progress(heartbeat: Path) -> str:
+    """``step 3/10 reward 0.410 312 tok/s eta 12 s (heartbeat 2 s ago)``: what the member's
+    heartbeat says, and its age (a stale one: a member, or a controller, no longer alive)."""
+    try:
+        age = time.time() - heartbeat.stat().st_mtime
+    except OSError:
+        return "no heartbeat yet"
+    return f"{describe(read_progress(heartbeat))} (heartbeat {format_duration(age)} ago)"
 
 
 def _shown_status(m: MemberRecord, job: dict | None) -> str:

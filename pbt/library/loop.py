@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from pbt.config.errors import ConfigError, PbtError
 from pbt.controller.run_schema import (
     POPULATION_RUN,
@@ -68,7 +70,8 @@ def train_population(
         resume: continue from ``output_dir`` when it holds a saved population.
         tracking: True for the embedded MLflow store, a tracking URI for a server, False off.
         target_fitness: stop early once the best member's latest fitness reaches it.
-        progress: print a line per member per evaluation and per evolution.
+        progress: print a line per member per evaluation and per evolution, and on a terminal
+            a progress bar while a member trains.
         tournament, mutations: the selection and mutation to evolve with (default the
             population's own, as configured); see :meth:`Population.evolve`.
 
@@ -153,14 +156,20 @@ class _Run:
             if agent.stopped:  # ended for lack of signal: it waits for selection to replace it
                 continue
             started = time.perf_counter()
+            bar = self._bar(agent.member_id, count)
 
-            def log(step: int, metrics: dict[str, float], agent: Agent = agent) -> None:
+            def log(
+                step: int, metrics: dict[str, float], agent: Agent = agent, bar: tqdm = bar
+            ) -> None:
                 self._log(agent, metrics, step)
+                bar.set_postfix_str(_bar_words(metrics), refresh=False)
+                bar.update()
 
             def say(line: str, agent: Agent = agent) -> None:
                 self._say(f"  {agent.member_id} {line}")
 
-            history = agent.train(count, log, say)
+            with bar:
+                history = agent.train(count, log, say)
             ended = ", collapsed: it trains no more" if agent.stopped else ""
             self._say(
                 f"  {agent.member_id} step {agent.steps}: {agent.describe(history[-1])} "
@@ -316,7 +325,21 @@ class _Run:
     def _say(self, line: str) -> None:
         if self.progress and self.rank == 0:
             elapsed = time.perf_counter() - self.started
-            print(f"[{elapsed:7.1f}s] {line}", file=sys.stdout, flush=True)
+            tqdm.write(f"[{elapsed:7.1f}s] {line}", file=sys.stdout)  # above a bar, if any
+            sys.stdout.flush()
+
+    def _bar(self, member_id: str, steps: int) -> tqdm:
+        """A member's bar while it trains ``steps`` steps: on a terminal only, where it is
+        cleared when the member's line is printed; elsewhere a no-op."""
+        shown = self.progress and self.rank == 0 and sys.stdout.isatty()
+        return tqdm(
+            total=steps,
+            desc=f"  {member_id}",
+            file=sys.stdout,
+            leave=False,
+            disable=not shown,
+            mininterval=0,  # a redraw a step costs nothing beside the step
+        )
 
     def close(self) -> None:
         if self.tracker is not None:
@@ -329,6 +352,16 @@ class _Run:
 def _tracker(out: Path, tracking: bool | str) -> Tracker:
     uri = default_uri(out) if tracking is True else str(tracking)
     return Tracker(uri, experiment=population_experiment(out), journal_dir=out / "tracking")
+
+
+def _bar_words(metrics: dict[str, float]) -> str:
+    """``reward 0.410 312 tok/s``: what a bar shows of a step, of what the step measured."""
+    words = []
+    if "reward_mean" in metrics:
+        words.append(f"reward {metrics['reward_mean']:.3f}")
+    if "tokens_per_s" in metrics:
+        words.append(f"{metrics['tokens_per_s']:.0f} tok/s")
+    return " ".join(words)
 
 
 def _next_multiple(value: int, interval: int) -> int:

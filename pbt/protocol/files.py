@@ -1,5 +1,5 @@
 """The files a controller and a member exchange: JSON written atomically, read tolerantly,
-and the heartbeat a live member touches."""
+and the heartbeat a live member touches (and fills with its progress)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ RELEASED = "released"
 (its state is in host memory, its checkpoint being written): the slot may take the next task."""
 
 
-def _json_beside(path: Path, obj: Any) -> str:
-    """Write ``obj`` as JSON to a new, flushed temporary file in ``path``'s folder; its name."""
+def _json_beside(path: Path, obj: Any, durable: bool = True) -> str:
+    """Write ``obj`` as JSON to a new temporary file in ``path``'s folder (flushed to the disk
+    when ``durable``); its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -31,16 +33,21 @@ def _json_beside(path: Path, obj: Any) -> str:
     return tmp
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the whole new one."""
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, durable: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path`` so that readers see the old file or the whole new one.
+
+    ``durable=False`` skips the flushes to the disk: for a file rewritten every few seconds
+    whose loss in a power cut costs nothing (a heartbeat's progress)."""
     path = Path(path)
-    tmp = _json_beside(path, obj)
+    tmp = _json_beside(path, obj, durable)
     try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if not durable:
+        return
     with contextlib.suppress(OSError):  # make the rename durable; not every filesystem allows it
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -84,7 +91,10 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 class Heartbeat:
     """Touch ``path`` now and every ``interval_s`` seconds from a daemon thread, until exit.
 
-    Used as ``with Heartbeat(task_dir / "heartbeat"): ...`` by the member (rank 0).
+    Used as ``with Heartbeat(task_dir / "heartbeat"): ...`` by the member (rank 0). Liveness is
+    the file's modification time alone. Its content, once the member calls :meth:`report`, is
+    the member's latest progress as a JSON object (:mod:`pbt.protocol.progress`), replaced
+    atomically; an empty file is a heartbeat without progress.
     """
 
     def __init__(self, path: str | os.PathLike[str], interval_s: float = 2.0) -> None:
@@ -99,6 +109,12 @@ class Heartbeat:
         """Touch the file once; a vanished directory is not worth killing the member for."""
         with contextlib.suppress(OSError):
             self.path.touch()
+
+    def report(self, payload: dict[str, Any]) -> None:
+        """Replace the file's content with ``payload`` (a beat, too); like a beat, a failed
+        write is not worth killing the member for."""
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.path, payload, durable=False)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -8,7 +8,8 @@ checkpoint (or none: the base model), the hyperparameters, the steps to train an
 worker loads the parent checkpoint and only THEN applies the hyperparameters, so a mutated lr
 lands in the optimizer's param groups with Adam's moments and the schedule's position kept. It
 trains, evaluates, saves a gathered checkpoint and writes ``result.json`` (rank 0, atomically),
-heartbeating all the while. A member that collapses (no signal for
+heartbeating all the while: the heartbeat carries its phase and, after each step, its step,
+reward, tokens/s and ETA (:mod:`pbt.protocol.progress`). A member that collapses (no signal for
 ``algorithm.collapse_patience`` steps in a row) stops training early, is evaluated and saved all
 the same, and its result says ``"fault": {"kind": "collapsed", ...}``
 (:mod:`pbt.protocol.collapse`). It loads and saves checkpoints only inside the campaign's
@@ -41,12 +42,16 @@ from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import RELEASED, Heartbeat, read_json, write_json_atomic
 from pbt.protocol.paths import inside
+from pbt.protocol.progress import ProgressReport
 from pbt.protocol.records import member_seed
 
 
-def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
+def run_task(
+    task: dict[str, Any], host=None, heartbeat: Heartbeat | None = None
+) -> tuple[dict[str, Any], Any]:
     """Train the member described by ``task`` and save its checkpoint; return its result and
-    the host it trained on (every rank calls this).
+    the host it trained on (every rank calls this; rank 0 passes its ``heartbeat``, which
+    carries the task's progress).
 
     ``host`` is a model loaded by an earlier task of a long-lived worker: it is reused, its
     adapter reset, when the task's manifest is the one it was built for, so switching members
@@ -55,7 +60,7 @@ def run_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any]:
     """
     from pbt.distributed import barrier
 
-    result, host, write = start_task(task, host)
+    result, host, write = start_task(task, host, heartbeat)
     result = finish_task(result, write)
     barrier()  # every rank ends with the checkpoint on disk
     return result, host
@@ -71,11 +76,14 @@ def finish_task(result: dict[str, Any], write: Callable[[], str] | None) -> dict
     return {**result, "digest": digest, "seconds": result["seconds"] + seconds, "write_s": seconds}
 
 
-def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, Any]:
+def start_task(
+    task: dict[str, Any], host=None, heartbeat: Heartbeat | None = None
+) -> tuple[dict[str, Any], Any, Any]:
     """Train and evaluate the member described by ``task`` and snapshot its state to host
-    memory (every rank calls this). Returns the result without its checkpoint's digest, the
-    host, and on rank 0 the call that writes the checkpoint (:func:`finish_task`), which needs
-    neither the device nor the other ranks; None on the others."""
+    memory (every rank calls this; rank 0 reports its progress to ``heartbeat``). Returns the
+    result without its checkpoint's digest, the host, and on rank 0 the call that writes the
+    checkpoint (:func:`finish_task`), which needs neither the device nor the other ranks; None
+    on the others."""
     import torch
 
     from pbt.algorithms.member import Host, Member, seed_everything
@@ -84,6 +92,7 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     marks = [("start", time.perf_counter())]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    progress = ProgressReport(heartbeat, task["steps"])
     campaign = Path(task["campaign_dir"])
     checkpoint = inside(campaign, task["checkpoint"], "checkpoints", "the task's checkpoint")
     parent = task["parent_checkpoint"]
@@ -117,13 +126,15 @@ def start_task(task: dict[str, Any], host=None) -> tuple[dict[str, Any], Any, An
     }
     started = time.perf_counter()
     marks.append(("load", started))
-    history = _train(member, task["steps"])
+    history = _train(member, task["steps"], progress)
     marks.append(("train", time.perf_counter()))
+    progress.phase("evaluating")
     fitness = member.learner.evaluate(
         member.task.eval, member.task.reward, manifest.training.eval_temperature
     )
     member.fitness.append(fitness)
     marks.append(("evaluate", time.perf_counter()))
+    progress.phase("saving")  # till the result is written, by finish_task
     write = member.snapshot(checkpoint)
     marks.append(("save", time.perf_counter()))  # the snapshot; finish_task times the write
     if host.engine is not None:
@@ -192,16 +203,18 @@ STATES = StateCache(int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**3
 """The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8)."""
 
 
-def _train(member, steps: int) -> list[dict[str, float]]:
-    """Train ``steps`` steps, a line per step in the member's log; every step's metrics, with
-    the lineage's step count."""
+def _train(member, steps: int, progress: ProgressReport) -> list[dict[str, float]]:
+    """Train ``steps`` steps, a line per step in the member's log and in its progress; every
+    step's metrics, with the lineage's step count."""
 
     def say(line: str) -> None:
         print(f"{member.member_id} {line}", flush=True)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         say(f"step {step} {member.learner.describe(metrics)}")
+        progress.stepped(metrics)
 
+    progress.phase("training")
     return member.train(steps, on_step, say)
 
 
@@ -239,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     from pbt.distributed import shutdown
 
     rank = int(os.environ.get("RANK", 0))
-    with Heartbeat(task_path.parent / "heartbeat") if rank == 0 else contextlib.nullcontext():
+    beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else contextlib.nullcontext()
+    with beat as heartbeat:
         try:
-            result, _ = run_task(task)
+            result, _ = run_task(task, heartbeat=heartbeat)
         except BaseException as err:
             if not _failed(task_path.parent, err):
                 raise
@@ -286,7 +300,7 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                     stack.enter_context(beat)
                 with _output_to(entry["log"], rank == 0):
                     try:
-                        result, host, write = start_task(task, host)
+                        result, host, write = start_task(task, host, beat)
                     except BaseException as err:
                         if not _failed(task_path.parent, err):
                             raise

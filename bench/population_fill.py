@@ -1,0 +1,182 @@
+"""A population that fills the GPU: population tokens/s with 1, 2, 4, ... members trained at once
+on one GPU (``launch.members_per_gpu``), against one member at a time, side by side in one run.
+
+    python bench/population_fill.py                                   # CPU, the tiny model
+    python bench/population_fill.py --shape 0.5b --device cuda --members 8 --steps 20 \\
+        --engine static --at-once 1 2 4 8
+
+For each ``--at-once`` k: ``--generations`` generations (default 2) of ``--members`` member tasks
+through the campaign's own launcher, k long-lived workers on one GPU (one slot each); from the
+second generation on, each member loads a parent's checkpoint (the next member's) with its lr
+mutated. The measured generation is the last one (the workers have loaded the model and
+captured their graphs by then): its population tokens/s is every completion token sampled and
+trained by every member (rollout + train) over the generation's wall time. On CUDA,
+``nvidia-smi`` is sampled every 200 ms during it: the GPU's busy share and the most memory in
+use. Each member's result reports its own peak (``peak_memory_gib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_step import SHAPES
+
+
+def _tasks(root: Path, campaign: Path, manifest: dict, generation: int, args, digests: dict):
+    from pbt.controller.launch import TaskSpec
+    from pbt.protocol.files import write_json_atomic
+
+    tasks = []
+    for i in range(args.members):
+        member = f"g{generation}-m{i}"
+        parent = f"g{generation - 1}-m{(i + 1) % args.members}" if generation else None
+        task_dir = campaign / "tasks" / member
+        task_dir.mkdir(parents=True)
+        write_json_atomic(
+            task_dir / "task.json",
+            {
+                "campaign_dir": str(campaign),
+                "manifest": manifest,
+                "manifest_base_dir": str(root),
+                "member_id": member,
+                "generation": generation,
+                "parent_id": parent,
+                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
+                "parent_digest": digests.get(parent),
+                "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
+                "mutation": "lr" if parent else None,
+                "steps": args.steps,
+                "checkpoint": f"checkpoints/{member}",
+            },
+        )
+        tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
+    return tasks
+
+
+class _GpuSampler:
+    """``nvidia-smi`` every 200 ms on one GPU: busy share and memory in use."""
+
+    def __init__(self, gpu: int) -> None:
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", str(gpu), "--query-gpu=utilization.gpu,memory.used",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+
+    def stop(self) -> tuple[float | None, float | None]:
+        if self.proc is None:
+            return None, None
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        rows = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+        busy = [float(u) for u, _ in rows]
+        memory = [float(m) / 1024 for _, m in rows]
+        return (sum(busy) / len(busy) if busy else None), (max(memory) if memory else None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--members", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--engine", default="hf", choices=["hf", "static"])
+    parser.add_argument("--generations", type=int, default=2)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--at-once", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+
+    from pbt.controller.launch import PersistentLauncher, member_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = "builtin:tiny"
+        if args.shape != "tiny":
+            from pbt.algorithms.builtin.tiny import build_shaped_model
+
+            model = str(build_shaped_model(root / "model", **SHAPES[args.shape]))
+        group, prompts = 8, 8
+        manifest = {
+            "model": {"name": model},
+            "algorithm": {"group_size": group, "prompts_per_step": prompts},
+            "rollout": {"max_output_tokens": 32, "engine": args.engine},
+            "task": {"name": "builtin:letters", "eval_size": 32},
+            "training": {"device": args.device, "steps": 2 * args.steps, "seed": 0},
+        }
+        gpus = 1 if args.device == "cuda" else 0
+        rows = []
+        for k in args.at_once:
+            campaign = root / f"at-once-{k}"
+            threads = max(1, (os.cpu_count() or 1) // k)
+            launcher = PersistentLauncher(
+                member_command(), campaign / "workers", slots=k, gpus_per_member=gpus,
+                gpu_ids=[args.gpu] if gpus else None, members_per_gpu=k if gpus else 1,
+                heartbeat_timeout_s=900.0, env={"OMP_NUM_THREADS": str(threads)},
+            )  # fmt: skip
+            digests: dict[str, str] = {}
+            try:
+                for generation in range(args.generations):
+                    tasks = _tasks(root, campaign, manifest, generation, args, digests)
+                    last = generation == args.generations - 1
+                    sampler = _GpuSampler(args.gpu) if last and gpus else None
+                    start = time.perf_counter()
+                    outcomes = launcher.run(tasks)
+                    wall = time.perf_counter() - start
+                    busy, used = sampler.stop() if sampler else (None, None)
+                    for o in outcomes:
+                        if o.status != "ok":
+                            raise SystemExit(f"{k} at once: {o.task_id} {o.detail}")
+                        digests[o.task_id] = o.result["digest"]
+                    tokens = sum(
+                        h["completion_length"] * group * prompts
+                        for o in outcomes
+                        for h in o.result["history"]
+                    )
+                    peaks = [o.result.get("peak_memory_gib") for o in outcomes]
+                    fitness = [round(o.result["fitness"], 4) for o in outcomes]
+                    print(
+                        f"{k} at once, generation {generation}: wall {wall:.1f} s, "
+                        f"{tokens / wall:,.0f} tok/s, fitness {fitness}",
+                        flush=True,
+                    )
+                if last:
+                    peak = max((p for p in peaks if p is not None), default=None)
+                    rows.append((k, wall, tokens / wall, busy, used, peak, fitness))
+            finally:
+                launcher.close()
+
+    print(
+        f"\n{args.shape} model on {args.device}, engine {args.engine}: {args.members} members x "
+        f"{args.steps} steps, {group} x {prompts} completions of up to 32 tokens a step; the "
+        f"last of {args.generations} generations\n"
+    )
+    print(
+        "| members at once | wall s | population tok/s | vs one at a time | GPU busy | "
+        "GPU memory in use | a member's peak |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    base = next((r[2] for r in rows if r[0] == 1), rows[0][2])
+    for k, wall, rate, busy, used, peak, _ in rows:
+        print(
+            f"| {k} | {wall:.1f} | {rate:,.0f} | **{rate / base:.2f}x** | "
+            f"{'-' if busy is None else f'{busy:.0f}%'} | "
+            f"{'-' if used is None else f'{used:.1f} GiB'} | "
+            f"{'-' if peak is None else f'{peak:.2f} GiB'} |"
+        )
+    same = len({tuple(r[6]) for r in rows}) == 1
+    print(f"\nsame fitness for every member whatever runs at once: {same}")
+
+
+if __name__ == "__main__":
+    main()
