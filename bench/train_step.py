@@ -16,6 +16,11 @@ AdamW step.
 - ``+ mixed precision``: the same under bf16 autocast (``training.mixed_precision``, the
   default on CUDA): the adapter keeps float32 master weights, every matmul runs in bf16;
 - ``+ compile``: the decoder compiled too (``training.compile``).
+- ``+ liger``: liger-kernel's fused linear GRPO loss (``LigerFusedLinearGRPOLoss``, token-mean,
+  no KL, the ratio at 1 as in the other modes) in place of the lean log-probs and the loss, on
+  the compiled decoder's hidden states: the well-kept kernel library's answer to the same
+  step. Skipped (with a line saying so) where liger-kernel is not installed or cannot run (it
+  needs Triton on a GPU).
 
 Each figure is the mean of ``--steps`` steps after 3 warm-up steps; peak memory is the CUDA
 allocator's peak over those steps (on CPU, not measured).
@@ -24,6 +29,7 @@ allocator's peak over those steps (on CPU, not measured).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -112,24 +118,37 @@ def main() -> None:
     def compiled() -> None:
         compile_decoder(model)
 
-    modes = (
+    modes = [
         ("naive peft loop", naive, None),
         ("lean log-probs", lean, None),
         ("lean + mixed precision", lean, mixed),
         ("lean + mixed precision + compile", lean, compiled),
-    )
+    ]
+    liger = _liger_step(model, batch, advantages, optimizer, p_len) if cuda else None
+    if liger is not None:
+        modes.append(("liger fused linear GRPO + mixed precision + compile", None, None))
+    else:
+        print("liger-kernel: not installed or no GPU; its mode is skipped", flush=True)
     for name, fn, setup in modes:
         if setup is not None:
             setup()
-        for _ in range(3):  # warm-up (and the compile)
-            step(fn)
+        run = functools.partial(step, fn) if fn is not None else liger
+        try:
+            for _ in range(3):  # warm-up (and the compile)
+                run()
+        except Exception as err:  # a library mode that cannot run here is reported, not fatal
+            if fn is not None:
+                raise
+            print(f"{name}: failed ({type(err).__name__}: {err}); skipped", flush=True)
+            optimizer.zero_grad(set_to_none=True)
+            continue
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         for _ in range(args.steps):
-            step(fn)
+            run()
         if cuda:
             torch.cuda.synchronize()
         elapsed = (time.perf_counter() - start) / args.steps
@@ -147,6 +166,33 @@ def main() -> None:
     for name, (tok, mem) in results.items():
         memory = f"{mem:.1f} | **{mem / mem_naive:.2f}x**" if cuda else "n/a | n/a"
         print(f"| {name} | {tok:,.0f} | **{tok / tok_naive:.2f}x** | {memory} |")
+
+
+def _liger_step(model, batch, advantages, optimizer, p_len):
+    """One step through liger-kernel's fused linear GRPO loss, or None without liger."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError:
+        return None
+    import torch
+
+    causal = model.get_base_model()
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo")
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = causal.model(input_ids=ids, attention_mask=attention).last_hidden_state
+            loss, _ = loss_fn(
+                hidden[:, p_len - 1 : -1], causal.lm_head.weight, batch.completion_ids,
+                batch.completion_mask, advantages.squeeze(1),
+            )  # fmt: skip
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 if __name__ == "__main__":
