@@ -442,7 +442,9 @@ class PersistentLauncher(LocalLauncher):
             worker = self._spawn(slot, task.nproc, taken_ports)
         Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
         entry = {"task": str(task_dir / "task.json"), "log": str(task.log_path)}
-        write_json_atomic(worker.folder / "inbox" / f"{worker.sent:06d}.json", entry)
+        # not flushed to the disk: a worker outlives no crash of this controller, and the
+        # flush would delay every hand-over
+        write_json_atomic(worker.folder / "inbox" / f"{worker.sent:06d}.json", entry, durable=False)
         worker.sent += 1
         return _Running(index, task, slot, worker.port, worker.proc, time.monotonic(), time.time())
 
