@@ -4,7 +4,7 @@ and mutated, until the budget is spent. Resumable from its directory after any c
 Directory layout::
 
     <campaign>/store.db           the campaign store (config, members, lineage, faults, RNG)
-    <campaign>/controller.lock    held by the one controller running this campaign
+    <campaign>/controller.lock    held by the one controller running this campaign (see lock.py)
     <campaign>/tasks/<member>/    task.json, heartbeat, result.json
     <campaign>/logs/<member>.attempt<k>.log
     <campaign>/checkpoints/<member>/
@@ -22,13 +22,11 @@ by clones that would fail the same way: free space, then ``pbt resume``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
 import random
 import shutil
-import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -47,6 +45,7 @@ from pbt.controller.launch import (
     TaskSpec,
     member_command,
 )
+from pbt.controller.lock import ControllerLock
 from pbt.controller.population import (
     INIT_STUDY,
     breed,
@@ -103,12 +102,12 @@ class Campaign:
         self.dir = directory
         self.raw = raw  # what the store keeps: the sections as written, and their folder
         self.manifest = manifest  # raw, validated once by start or resume
-        self._lock = _acquire_lock(directory / "controller.lock")
+        self.say = print
+        self._lock = ControllerLock.acquire(directory, say=self.say)
         self.store = CampaignStore(directory / STORE_FILENAME)
         self.selection = build_selection(self.manifest)
         self.mutations = build_mutations(self.manifest)
         self.member_command = member_command
-        self.say = print
         self.log = CampaignLog(directory, self.manifest)
         self._workers: PersistentLauncher | None = None
 
@@ -682,45 +681,6 @@ def _remove(path: Path) -> None:
 
 SUBMIT_FILES = frozenset({"controller.sbatch", "controller.log"})
 """What ``pbt submit`` puts in a campaign folder before its controller job creates the campaign."""
-
-
-def _acquire_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = path.open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise PbtError(f"another controller is running this campaign ({path} is locked)") from None
-    handle.seek(0)
-    handle.truncate()
-    who = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "slurm_job": os.environ.get("SLURM_JOB_ID"),
-    }
-    handle.write(json.dumps(who))
-    handle.flush()
-    return handle
-
-
-def controller_running(directory: Path) -> dict[str, Any] | None:
-    """Who holds the campaign's lock (``pid``, ``host``, ``slurm_job``), or None when no
-    controller runs it."""
-    path = Path(directory) / "controller.lock"
-    if not path.exists():
-        return None
-    with path.open("a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            try:
-                return json.loads(handle.read() or "{}")
-            except json.JSONDecodeError:
-                return {}
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return None
 
 
 def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:
