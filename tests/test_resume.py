@@ -1,11 +1,13 @@
-"""Resume after a crash: the controller lock never outlives its controller, and a controller's
-process group killed at any moment resumes at once to the same campaign."""
+"""Resume after a crash and after the end: the controller lock never outlives its controller, a
+controller's process group killed at any moment resumes at once to the same campaign, a
+finished campaign says so, and a budget raised by resume gives the longer campaign."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,14 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
-from support import write_manifest
+import yaml
+from support import start_campaign, write_manifest
 from test_campaign import FAKE, MANIFEST
 
-from pbt.config.errors import PbtError
+from pbt.cli.main import main
+from pbt.config.errors import ConfigError, PbtError
+from pbt.config.loader import manifest_from_dict
+from pbt.controller.budget import with_budget
 from pbt.controller.campaign import Campaign
 from pbt.controller.lock import ControllerLock, controller_running
 from pbt.controller.store import CampaignStore
 
+FIXTURES = Path(__file__).parent / "fixtures" / "agilerl"
 MANIFEST = {**MANIFEST, "launch": {**MANIFEST["launch"], "slots": 4}}  # a generation at once
 
 
@@ -221,3 +228,94 @@ def test_killed_process_group_resumes_at_once(tmp_path, straight, moment):
         if child is not None:
             os.kill(child, signal.SIGKILL)
     assert _campaign(directory) == _campaign(straight[1])
+
+
+# -- a finished campaign, and a budget raised by resume ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-generation campaign run to its end (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("finished")
+    manifest = write_manifest(root / "manifest.yaml", MANIFEST, budget={"generations": 2})
+    _run(Campaign.start(manifest, root / "campaign", member_command=FAKE))
+    return root / "campaign"
+
+
+@pytest.mark.integration
+def test_resuming_a_finished_campaign_says_so(tmp_path, finished, capsys):
+    directory = shutil.copytree(finished, tmp_path / "c")
+    assert main(["resume", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"campaign {directory} finished: 2 generations done; to train further: "
+        f"pbt resume {directory} --generations N (N > 2)"
+    ) in out
+    assert "training 0 of 0" not in out
+    assert controller_running(directory) is None
+    summary = _run(Campaign.resume(directory, member_command=FAKE))
+    assert summary.stop_reason == "2 generations done" and summary.generations == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("first", "raised"),
+    [
+        ({"generations": 2}, {"generations": 4}),
+        ({"generations": 50, "total_steps": 12}, {"total_steps": 48}),
+        ({"generations": 3, "crash": "task:6"}, {"generations": 4}),  # interrupted in generation 1
+    ],
+)
+def test_a_budget_raised_by_resume_gives_the_longer_campaign(tmp_path, straight, first, raised):
+    """Each member trains 3 steps and a generation has 4: 48 steps are 4 generations."""
+    first = dict(first)
+    crash = first.pop("crash", None)
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget=first)
+    directory = tmp_path / "campaign"
+    if crash is None:
+        _run(Campaign.start(manifest, directory, member_command=FAKE))
+    else:
+        proc = start_campaign(manifest, directory, FAKE, 0.05, {"PBT_CRASH_AT": crash})
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    summary = _run(Campaign.resume(directory, member_command=FAKE, budget=raised))
+    assert summary.generations == 4
+    assert _campaign(directory) == _campaign(straight[1])
+    with CampaignStore(directory / "store.db") as store:  # a plain resume keeps the budget
+        assert store.load_config()["manifest"]["budget"] == first | raised
+    again = Campaign.resume(directory, member_command=FAKE)
+    (key,) = raised
+    assert again.ended() == (key, summary.stop_reason)
+    again.close()
+
+
+@pytest.mark.integration
+def test_a_budget_already_spent_or_a_decaying_schedule_is_refused(tmp_path, finished, capsys):
+    directory = shutil.copytree(finished, tmp_path / "c")
+    with pytest.raises(ConfigError) as err:
+        Campaign.resume(directory, member_command=FAKE, budget={"total_steps": 24})
+    assert err.value.problems == [
+        "budget.generations (2) must be more than the 2 generations already done; give "
+        "--generations 3 or more",
+        "budget.total_steps (24) must be more than the campaign has used (24 steps trained); "
+        "give --total-steps above it",
+    ]
+    assert main(["resume", str(directory), "--generations", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "budget.generations (2) must be more than" in err and "Traceback" not in err
+    with CampaignStore(directory / "store.db") as store:  # nothing was recorded
+        assert store.load_config()["manifest"]["budget"] == {"generations": 2}
+    assert controller_running(directory) is None
+
+    cosine = write_manifest(tmp_path / "cosine.yaml", MANIFEST, optim={"schedule": "cosine"})
+    Campaign.start(cosine, tmp_path / "cosine", member_command=FAKE).close()  # generation 0 drawn
+    with pytest.raises(ConfigError, match=r"optim\.schedule is 'cosine', which decays"):
+        Campaign.resume(tmp_path / "cosine", member_command=FAKE, budget={"generations": 8})
+    Campaign.resume(tmp_path / "cosine", member_command=FAKE, budget={"total_steps": 99}).close()
+
+
+def test_a_budget_set_by_resume_replaces_agilerls_spelling_of_it():
+    sections = yaml.safe_load((FIXTURES / "grpo_rubric.yaml").read_text())
+    assert sections["training"]["max_steps"] == 100000
+    changed = with_budget(sections, {"total_steps": 200000})
+    assert "max_steps" not in changed["training"] and sections["training"]["max_steps"] == 100000
+    assert manifest_from_dict(changed, base_dir=FIXTURES).budget.total_steps == 200000
