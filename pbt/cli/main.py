@@ -1,7 +1,7 @@
 """The ``pbt`` command line.
 
     pbt run [MANIFEST] [--dir DIR]   start a campaign (the built-in quickstart without a manifest)
-    pbt resume DIR                   continue a campaign from its last committed generation
+    pbt resume DIR [--generations N]  continue a campaign (a budget flag raises its budget)
     pbt status DIR                   generation, members, fitness, hyperparameters, faults
     pbt lineage DIR [--png FILE]     the family tree, as text and as a picture
     pbt inspect CHECKPOINT           what a checkpoint holds, digests checked
@@ -24,6 +24,7 @@ import json
 import shlex
 import sys
 import time
+import typing
 from pathlib import Path
 
 from pbt import __version__
@@ -31,8 +32,10 @@ from pbt.cli import cluster
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
+from pbt.config.campaign import BudgetConfig
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
+from pbt.controller.budget import FLAGS
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
 from pbt.worker import train
@@ -94,14 +97,37 @@ def _run(args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
 
     directory = Path(args.dir)
+    budget = {key: getattr(args, key) for key in FLAGS if getattr(args, key) is not None}
     try:
-        campaign = Campaign.resume(directory)
+        campaign = Campaign.resume(directory, budget=budget)
+        ended = campaign.ended()
+        if ended is not None:
+            return _finished(campaign, *ended)
         generation = campaign.store.last_committed_generation()
         print(f"campaign {directory}: resuming after generation {generation}", flush=True)
         return _drive(campaign)
     except KeyboardInterrupt:
         print(f"\n{interrupted_message(directory)}", file=sys.stderr)
         return 130
+
+
+def _finished(campaign: Campaign, key: str, reason: str) -> int:
+    """What ``pbt resume`` says of a campaign that has finished: why, and how to go on."""
+    try:
+        summary = campaign.run()  # returns at once
+    finally:
+        campaign.close()
+    bound = (
+        summary.best_fitness if key == "target_fitness" else getattr(campaign.manifest.budget, key)
+    )
+    quoted = shlex.quote(str(campaign.dir))
+    print(
+        f"campaign {campaign.dir} finished: {reason}; to train further: pbt resume {quoted} "
+        f"{FLAGS[key]} N (N > {bound:g})"
+    )
+    print(f"best member {summary.best_member}: fitness {summary.best_fitness:.3f}")
+    print(f"more: pbt status {quoted} | pbt lineage {quoted}")
+    return 0
 
 
 def interrupted_message(directory: Path) -> str:
@@ -183,6 +209,21 @@ def _dashboard(args: argparse.Namespace) -> int:
     return serve_dashboard(Path(args.dir), args.port)
 
 
+def _resume_parser(sub: argparse._SubParsersAction) -> None:
+    """``pbt resume DIR``, with a flag per budget key that changes it (a total for the whole
+    campaign: raise it to train a finished campaign further)."""
+    resume = sub.add_parser("resume", help="continue a campaign (optionally with a new budget)")
+    resume.add_argument("dir")
+    hints = typing.get_type_hints(BudgetConfig)
+    for key, flag in FLAGS.items():
+        kind = next(t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None))
+        resume.add_argument(
+            flag, dest=key, type=kind, metavar="N" if kind is int else "X",
+            help=f"budget.{key} for the whole campaign from now on",
+        )  # fmt: skip
+    resume.set_defaults(func=_resume)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pbt`` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(
@@ -195,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)")
     run.add_argument("--dir", help="campaign directory (default: runs/campaign-<time>)")
     run.set_defaults(func=_run)
+    _resume_parser(sub)
     for name, func, text in (
-        ("resume", _resume, "continue a campaign"),
         ("status", _status, "show a campaign's state"),
         ("stop", _stop, "interrupt a campaign's controller and end its members"),
     ):

@@ -4,7 +4,7 @@ and mutated, until the budget is spent. Resumable from its directory after any c
 Directory layout::
 
     <campaign>/store.db           the campaign store (config, members, lineage, faults, RNG)
-    <campaign>/controller.lock    held by the one controller running this campaign
+    <campaign>/controller.lock    held by the one controller running this campaign (see lock.py)
     <campaign>/tasks/<member>/    task.json, heartbeat, result.json
     <campaign>/logs/<member>.attempt<k>.log
     <campaign>/checkpoints/<member>/
@@ -22,23 +22,29 @@ by clones that would fail the same way: free space, then ``pbt resume``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
 import random
 import shutil
-import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.errors import PbtError
+from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller import slurm
+from pbt.controller.budget import (
+    FLAGS,
+    Spent,
+    change_problems,
+    exhausted,
+    spent_problems,
+    with_budget,
+)
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.launch import (
     LocalLauncher,
@@ -47,6 +53,7 @@ from pbt.controller.launch import (
     TaskSpec,
     member_command,
 )
+from pbt.controller.lock import ControllerLock
 from pbt.controller.population import (
     INIT_STUDY,
     breed,
@@ -104,12 +111,12 @@ class Campaign:
         self.dir = directory
         self.raw = raw  # what the store keeps: the sections as written, and their folder
         self.manifest = manifest  # raw, validated once by start or resume
-        self._lock = _acquire_lock(directory / "controller.lock")
+        self.say = _say
+        self._lock = ControllerLock.acquire(directory, say=self.say)
         self.store = CampaignStore(directory / STORE_FILENAME)
         self.selection = build_selection(self.manifest)
         self.mutations = build_mutations(self.manifest)
         self.member_command = member_command
-        self.say = _say
         self.log = CampaignLog(directory, self.manifest)
         self._workers: PersistentLauncher | None = None
 
@@ -182,10 +189,21 @@ class Campaign:
         )
 
     @classmethod
-    def resume(cls, directory: str | Path, member_command: list[str] | None = None) -> Campaign:
+    def resume(
+        cls,
+        directory: str | Path,
+        member_command: list[str] | None = None,
+        budget: dict[str, Any] | None = None,
+    ) -> Campaign:
         """Open an existing campaign to continue it from its last committed generation.
 
+        Args:
+            budget: budget keys to change, as totals for the whole campaign (``{"generations":
+                8}``); recorded in the store. See :mod:`pbt.controller.budget`.
+
         Raises:
+            ConfigError: a changed budget breaks a rule, is spent already, or would not give
+                the decisions of a campaign planned with it (the message says which and why).
             PbtError: no campaign there, or another controller holds it.
         """
         directory = Path(directory)
@@ -199,17 +217,52 @@ class Campaign:
             raise PbtError(
                 f"{directory}/store.db has no configuration: the campaign was never created"
             )
-        manifest = manifest_from_dict(
+        manifest = before = manifest_from_dict(
             raw["manifest"], base_dir=raw["base_dir"], source=str(directory / STORE_FILENAME)
         )
+        if budget:
+            sections = with_budget(raw["manifest"], budget)
+            manifest = manifest_from_dict(sections, base_dir=raw["base_dir"], source=_flags(budget))
+            raw = raw | {"manifest": sections}
         campaign = cls(directory, raw, manifest, member_command)
-        if campaign.store.last_committed_generation() is None:
-            # the start crashed before generation 0 was committed: whatever its draws left in
-            # the studies is discarded, and generation 0 drawn again, the same way
-            for leftover in directory.glob("optuna.db*"):
-                leftover.unlink()
-            campaign._create_generation_zero()
+        try:
+            if campaign.store.last_committed_generation() is None:
+                # the start crashed before generation 0 was committed: whatever its draws left
+                # in the studies is discarded, and generation 0 drawn again, the same way
+                for leftover in directory.glob("optuna.db*"):
+                    leftover.unlink()
+                campaign._create_generation_zero()
+            if budget:
+                campaign._change_budget(before, budget)
+        except BaseException:
+            campaign.close()
+            raise
         return campaign
+
+    def _change_budget(self, before: Manifest, changes: dict[str, Any]) -> None:
+        """Check the budget this campaign resumes with against what it has spent, then record
+        it in the store's copy of the manifest.
+
+        Raises:
+            ConfigError: every reason it is refused, together.
+        """
+        last = self.store.last_committed_generation()
+        ended = last >= 0 and not self.store.members(last + 1)
+        problems = change_problems(before, self.manifest, changes, ended)
+        if last >= 0:  # before generation 0 has trained, nothing is spent
+            problems += spent_problems(self.manifest.budget, self._spent_at(last))
+        if problems:
+            raise ConfigError(problems, _flags(changes))
+        self.store.replace_config(self.raw)
+
+    def ended(self) -> tuple[str, str] | None:
+        """``(budget key, stop reason)`` when the campaign has finished under its budget as it
+        stands now; None while it has generations to train."""
+        last = self.store.last_committed_generation()
+        if last is None or self.store.members(last + 1):
+            return None
+        reached = exhausted(self.manifest.budget, self._spent_at(last))
+        return reached[0] if reached else None
 
     def close(self) -> None:
         """Stop the long-lived workers, send what is left to the tracking store, then release
@@ -224,12 +277,21 @@ class Campaign:
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> Summary:
-        """Train generation after generation until the budget is spent; returns the best member."""
+        """Train generation after generation until the budget is spent; returns the best member.
+
+        A campaign that has finished returns at once. One that finished under a smaller budget
+        first selects its next generation, as it would have with this budget from the start.
+        """
         last = self.store.last_committed_generation()
+        ended = self.ended()
+        if ended is not None:
+            return self._summary(last, ended[1])
         state = self.store.controller_state(last)
         rng = rng_from_json(state["rng"])
         elapsed, gpu_seconds = state["elapsed_s"], state["gpu_seconds"]
         generation = last + 1
+        if not self.store.members(generation):
+            self._reopen(last, rng, elapsed, gpu_seconds)
         self._collect_garbage()
         self.log.started(self.dir / "manifest.yaml")
         if last >= 0:  # what followed the last commit may not have happened before a crash
@@ -261,14 +323,32 @@ class Campaign:
             )
             self._collect_garbage()
             if reason:
-                overall = self.store.best()
-                record = self.store.member(overall[0])
-                best = record.checkpoint
+                summary = self._summary(generation, reason)
+                best = summary.best_checkpoint
                 self.log.finished(self._checkpoint_path(best, "best checkpoint") if best else None)
-                return Summary(
-                    generation + 1, overall[0], overall[1], record.checkpoint or "", reason
-                )
+                return summary
             generation += 1
+
+    def _summary(self, generation: int, reason: str) -> Summary:
+        """How the campaign ended after ``generation``: its best member of all generations."""
+        member, fitness = self.store.best()
+        checkpoint = self.store.member(member).checkpoint or ""
+        return Summary(generation + 1, member, fitness, checkpoint, reason)
+
+    def _reopen(self, last: int, rng: random.Random, elapsed: float, gpu_seconds: float) -> None:
+        """The campaign ended after generation ``last`` and its budget has since been raised:
+        select and mutate ``last``'s successors from the RNG state committed with it (the one
+        that selection would have used) and commit them with it."""
+        members, events = self._next_generation(last, self.store.members(last), rng)
+        state = _controller_state(rng, elapsed, gpu_seconds)
+        self.store.reopen_generation(last, members, events, state)
+        self.say(f"generation {last + 1} selected: the budget now allows it")
+
+    def _spent_at(self, generation: int) -> Spent:
+        """What the campaign had used when ``generation`` was committed."""
+        state = self.store.controller_state(generation)
+        finished = self.store.members(generation)
+        return self._spent(generation, finished, state["elapsed_s"], state["gpu_seconds"])
 
     def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
         if self.manifest.search.strategy == "optuna":
@@ -366,8 +446,15 @@ class Campaign:
     def _stop_reason(
         self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
     ) -> str:
-        budget = self.manifest.budget
-        best = max(m.fitness(self.manifest.population.fitness_window) for m in finished)
+        reached = exhausted(
+            self.manifest.budget, self._spent(generation, finished, elapsed, gpu_seconds)
+        )
+        return reached[0][1] if reached else ""
+
+    def _spent(
+        self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
+    ) -> Spent:
+        """What the campaign has used once ``generation`` (its members ``finished``) is done."""
         # each member that trained (not one replaced by a clone) trained evo_steps steps, or
         # fewer when it collapsed; its own step count is its lineage's, parents' steps included
         evo_steps = self.manifest.population.evo_steps
@@ -378,26 +465,14 @@ class Campaign:
             and m.generation <= generation
             and not (m.mutation or "").startswith("replaced")
         )
-        checks = [
-            (generation + 1 >= budget.generations, f"{budget.generations} generations done"),
-            (
-                budget.target_fitness is not None and best >= budget.target_fitness,
-                f"target fitness {budget.target_fitness} reached",
-            ),
-            (
-                budget.total_steps is not None and total_steps >= budget.total_steps,
-                f"{budget.total_steps} total steps done",
-            ),
-            (
-                budget.wall_time_s is not None and elapsed >= budget.wall_time_s,
-                f"wall time {budget.wall_time_s} s spent",
-            ),
-            (
-                budget.gpu_hours is not None and gpu_seconds / 3600 >= budget.gpu_hours,
-                f"{budget.gpu_hours} GPU-hours spent",
-            ),
-        ]
-        return next((reason for hit, reason in checks if hit), "")
+        window = self.manifest.population.fitness_window
+        return Spent(
+            generations=generation + 1,
+            total_steps=total_steps,
+            wall_time_s=elapsed,
+            gpu_hours=gpu_seconds / 3600,
+            best_fitness=max(m.fitness(window) for m in finished),
+        )
 
     # -- one generation --------------------------------------------------------------------
 
@@ -707,43 +782,9 @@ SUBMIT_FILES = frozenset({"controller.sbatch", "controller.log"})
 """What ``pbt submit`` puts in a campaign folder before its controller job creates the campaign."""
 
 
-def _acquire_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = path.open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise PbtError(f"another controller is running this campaign ({path} is locked)") from None
-    handle.seek(0)
-    handle.truncate()
-    who = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "slurm_job": os.environ.get("SLURM_JOB_ID"),
-    }
-    handle.write(json.dumps(who))
-    handle.flush()
-    return handle
-
-
-def controller_running(directory: Path) -> dict[str, Any] | None:
-    """Who holds the campaign's lock (``pid``, ``host``, ``slurm_job``), or None when no
-    controller runs it."""
-    path = Path(directory) / "controller.lock"
-    if not path.exists():
-        return None
-    with path.open("a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            try:
-                return json.loads(handle.read() or "{}")
-            except json.JSONDecodeError:
-                return {}
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return None
+def _flags(changes: dict[str, Any]) -> str:
+    """The ``pbt resume`` flags that ask for ``changes``, for messages."""
+    return "pbt resume " + " ".join(f"{FLAGS.get(k, k)} {v}" for k, v in changes.items())
 
 
 def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:

@@ -261,6 +261,18 @@ class CampaignStore:
                     "manifest, or start a new campaign directory"
                 )
 
+    def replace_config(self, config: dict) -> None:
+        """Overwrite the saved config: a resume that changes the budget records it here, so a
+        later resume keeps it. Only the budget may differ; the caller checks that.
+
+        Raises:
+            PbtError: No config was saved yet.
+        """
+        with self._transaction() as db:
+            body = json.dumps(config, sort_keys=True)
+            if db.execute("UPDATE config SET body = ? WHERE id = 1", (body,)).rowcount != 1:
+                raise PbtError(f"campaign store {self.path} has no config to replace")
+
     def load_config(self) -> dict | None:
         """The saved config, or None before :meth:`save_config`."""
         rows = self._read("SELECT body FROM config WHERE id = 1")
@@ -388,6 +400,45 @@ class CampaignStore:
                 (generation, now, *(best or (None, None)), json.dumps(controller_state)),
             )
             self._track_checkpoints(db, [*finished, *next_members], best[0] if best else None)
+            crash_point("store")
+
+    def reopen_generation(
+        self,
+        generation: int,
+        next_members: list[MemberRecord],
+        events: list[dict],
+        controller_state: dict,
+    ) -> None:
+        """Give the last committed ``generation``, which ended the campaign, its successors after
+        all, atomically, as :meth:`commit_generation` would have committed them with it: the
+        next generation's members, the lineage events, and the controller state that goes
+        with them (for a budget raised after the campaign ended).
+
+        Raises:
+            ValueError: ``generation`` is not the last committed one, or already has successors.
+        """
+        now = _now()
+        with self._transaction() as db:
+            last = db.execute("SELECT MAX(generation) FROM generations").fetchone()[0]
+            if generation != last:
+                raise ValueError(f"generation {generation} is not the last committed, {last}")
+            taken = "SELECT 1 FROM members WHERE generation > ?"
+            if db.execute(taken, (generation,)).fetchone():
+                raise ValueError(f"generation {generation} already has successors")
+            new_rows = (_member_row(r) for r in _of_generation(next_members, generation + 1))
+            db.executemany(_INSERT_MEMBER, new_rows)
+            db.executemany(
+                "INSERT INTO lineage (generation, member_id, parent_id, kind, detail, created_at) "
+                "VALUES (:generation, :member_id, :parent_id, :kind, :detail, :now)",
+                (_event_row(event, generation, now) for event in events),
+            )
+            db.execute(
+                "UPDATE generations SET controller_state = ? WHERE generation = ?",
+                (json.dumps(controller_state), generation),
+            )
+            best = "SELECT best_member_id FROM generations WHERE generation = ?"
+            recorded = db.execute(best, (generation,)).fetchone()["best_member_id"]
+            self._track_checkpoints(db, next_members, recorded)
             crash_point("store")
 
     @staticmethod

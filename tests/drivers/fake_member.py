@@ -1,8 +1,9 @@
 """A hand-written stand-in for `pbt.worker`, for controller tests that must run instantly.
 
-Reads task.json like the real worker, "trains" by a formula (fitness = the parent's fitness
-plus a gain that peaks at lr = 3e-3), writes a checkpoint folder and result.json, and can be
-told to misbehave per member and attempt through `<campaign>/faults.json`:
+Reads task.json like the real worker (its path the last argument, or, with `--serve FOLDER`,
+one task after another from `FOLDER/inbox`, as a long-lived worker of
+`launch.persistent_workers`), "trains" by a formula (fitness = the parent's fitness plus a gain
+that peaks at lr = 3e-3), writes a checkpoint folder and result.json, and can be told to misbehave per member and attempt through `<campaign>/faults.json`:
 `{"g001-m01": ["exit1", "ok"]}` makes the first attempt exit 1 and the second succeed.
 
 `foreign_result` names a checkpoint outside the campaign in its result. `oom` allocates until
@@ -28,7 +29,26 @@ REAL_CHECKPOINT = os.environ.get("FAKE_MEMBER_CHECKPOINT") == "real"
 
 
 def main() -> None:
-    task_path = Path(sys.argv[-1])
+    if sys.argv[1:2] == ["--serve"]:
+        serve(Path(sys.argv[2]))
+    else:
+        run_task(Path(sys.argv[-1]))
+
+
+def serve(folder: Path) -> None:
+    """Take the launcher's inbox entries in order, as `pbt.worker --serve` does (without the
+    early release: each task's result is written before the next is taken)."""
+    taken = 0
+    while (folder / "inbox").is_dir() and not (folder / "stop").exists():
+        entry = read_json(folder / "inbox" / f"{taken:06d}.json")
+        if entry is None:
+            time.sleep(0.02)
+            continue
+        taken += 1
+        run_task(Path(entry["task"]))
+
+
+def run_task(task_path: Path) -> None:
     task = read_json(task_path)
     campaign = Path(task["campaign_dir"])
     member = task["member_id"]
