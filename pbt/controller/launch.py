@@ -643,21 +643,54 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
-    """End the process group a previous (crashed) controller started for ``task_dir``.
+    """End the process group a previous (crashed) controller started for ``task_dir``, and any
+    process of it that left the group.
 
     The group is killed only while its leader's command line still names ``names`` (default
-    the task's ``task.json``), so a recycled process id is never hit. Returns whether anything
-    was killed.
+    the task's ``task.json``), so a recycled process id is never hit. torchrun starts each rank
+    in a session of its own, so a group killed with SIGKILL can leave its ranks behind: every
+    process whose command line names ``names`` is ended too, with its own group. Returns
+    whether anything was killed.
     """
+    marker = str(names or Path(task_dir) / "task.json").encode() + b"\0"  # a whole argument
+    killed = []
     try:
         pgid = int((Path(task_dir) / "pgid").read_text())
-        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
+        if marker in Path(f"/proc/{pgid}/cmdline").read_bytes():
+            _signal_group(pgid, signal.SIGKILL)
+            killed.append(pgid)
     except (OSError, ValueError):
-        return False
-    if str(names or Path(task_dir) / "task.json").encode() not in cmdline:
-        return False
-    _signal_group(pgid, signal.SIGKILL)
+        pass
+    for pid in _processes_naming(marker):
+        with contextlib.suppress(OSError):
+            _signal_group(os.getpgid(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
     deadline = time.monotonic() + KILL_GRACE_S
-    while Path(f"/proc/{pgid}").exists() and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return True
+    return bool(killed)
+
+
+def _processes_naming(marker: bytes) -> list[int]:
+    """Live processes (not this one) whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline and _alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
