@@ -85,6 +85,19 @@ class _GpuSampler:
         return (sum(busy) / len(busy) if busy else None), (max(memory) if memory else None)
 
 
+def _start_mps(folder: Path) -> dict[str, str]:
+    """A CUDA MPS control daemon with its pipes and logs in ``folder``; the variables that
+    point a CUDA process at it."""
+    env = {
+        "CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(folder / "log"),
+    }
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, check=True)
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
@@ -95,12 +108,18 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--mps", action="store_true",
+        help="run the workers under a private CUDA MPS daemon (kernels of different processes "
+        "then run side by side instead of time-sliced)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from pbt.controller.launch import PersistentLauncher, member_command
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        mps_env = _start_mps(root / "mps") if args.mps else {}
         model = "builtin:tiny"
         if args.shape != "tiny":
             from pbt.algorithms.builtin.tiny import build_shaped_model
@@ -122,7 +141,7 @@ def main() -> None:
             launcher = PersistentLauncher(
                 member_command(), campaign / "workers", slots=k, gpus_per_member=gpus,
                 gpu_ids=[args.gpu] if gpus else None, members_per_gpu=k if gpus else 1,
-                heartbeat_timeout_s=900.0, env={"OMP_NUM_THREADS": str(threads)},
+                heartbeat_timeout_s=900.0, env={"OMP_NUM_THREADS": str(threads), **mps_env},
             )  # fmt: skip
             digests: dict[str, str] = {}
             try:
@@ -155,11 +174,14 @@ def main() -> None:
                     rows.append((k, wall, tokens / wall, busy, used, peak, fitness))
             finally:
                 launcher.close()
+        if mps_env:
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
+                           env={**os.environ, **mps_env}, check=False)  # fmt: skip
 
     print(
         f"\n{args.shape} model on {args.device}, engine {args.engine}: {args.members} members x "
         f"{args.steps} steps, {group} x {prompts} completions of up to 32 tokens a step; the "
-        f"last of {args.generations} generations\n"
+        f"last of {args.generations} generations{'; under CUDA MPS' if args.mps else ''}\n"
     )
     print(
         "| members at once | wall s | population tok/s | vs one at a time | GPU busy | "
