@@ -54,6 +54,7 @@ from pbt.controller.launch import (
     member_command,
 )
 from pbt.controller.lock import ControllerLock
+from pbt.controller.mps import MpsDaemon
 from pbt.controller.population import (
     INIT_STUDY,
     breed,
@@ -119,6 +120,7 @@ class Campaign:
         self.member_command = member_command
         self.log = CampaignLog(directory, self.manifest)
         self._workers: PersistentLauncher | None = None
+        self._mps: MpsDaemon | None = None
 
     # -- creation and resume ---------------------------------------------------------------
 
@@ -270,6 +272,9 @@ class Campaign:
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        if self._mps is not None:
+            self._mps.stop()
+            self._mps = None
         self.log.close()
         self.store.close()
         self._lock.close()
@@ -623,6 +628,11 @@ class Campaign:
             env["OMP_NUM_THREADS"] = str(
                 max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks))
             )
+        if launch.members_per_gpu > 1 and launch.gpus_per_member and launch.mps:
+            if self._mps is None:
+                self._mps = MpsDaemon().start()
+                self.say(self._mps.note)
+            env.update(self._mps.env)
         kind, extra = LocalLauncher, {}
         if launch.persistent_workers:
             kind, extra = PersistentLauncher, {"workers_dir": self.dir / "workers"}
