@@ -90,6 +90,8 @@ def write_manifest(args: argparse.Namespace, model: Path) -> Path:
         "gpus_per_member": args.gpus_per_member,
         "nproc_per_member": args.ranks,
         "slots": args.slots,
+        # a process group per task: the wrapper records each task's placement as it starts
+        "persistent_workers": False,
     }
     path = args.dir / "manifest.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
