@@ -96,7 +96,8 @@ class _Saved:
     ready: torch.cuda.Event | None = None
     """Recorded on the side stream after the prefetch copy (CUDA)."""
     restored: Any = None
-    """A weak reference to the device bytes last handed to autograd, reused while alive."""
+    """A weak reference to the tensor last handed to autograd: its storage is reused while it
+    lives (several saved views of one storage in one backward node)."""
     neighbours: list[weakref.ref] = field(default_factory=list)
     """Every storage offloaded by the same forward, in saving order (shared list)."""
     index: int = 0
@@ -208,16 +209,18 @@ class ActivationOffload:
         if isinstance(packed, Tensor):
             return packed
         item, dtype, shape, stride = packed
-        raw = self._restore(item)
+        storage = self._restore(item)
         self._prefetch_before(item)
-        out = torch.empty(0, dtype=dtype, device=self.device)
-        return out.set_(raw.untyped_storage(), 0, shape, stride)
+        out = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape, stride)
+        item.restored = weakref.ref(out)
+        return out
 
-    def _restore(self, item: _Saved) -> Tensor:
-        """The item's bytes on the device: the live copy, the prefetched one, or a new copy."""
+    def _restore(self, item: _Saved) -> torch.UntypedStorage:
+        """The item's bytes on the device: those of a view still in use, the prefetched copy,
+        or a new copy."""
         alive = item.restored() if item.restored is not None else None
         if alive is not None:
-            return alive
+            return alive.untyped_storage()
         if item.prefetched is not None:
             raw, item.prefetched = item.prefetched, None
             if self.cuda:
@@ -229,8 +232,7 @@ class ActivationOffload:
                 torch.cuda.current_stream(self.device).wait_event(item.copied)
             raw = torch.empty(item.host.shape, dtype=torch.uint8, device=self.device)
             raw.copy_(item.host, non_blocking=self.cuda)
-        item.restored = weakref.ref(raw)
-        return raw
+        return raw.untyped_storage()
 
     def _prefetch_before(self, item: _Saved) -> None:
         """Copy back, on the side stream, the storages saved just before ``item`` (backward

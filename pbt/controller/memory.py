@@ -26,11 +26,18 @@ a process with its own base and :data:`CUDA_CONTEXT_GIB` of CUDA context outside
 Checked against the H200 figures of ``bench/RESULTS.md`` (allocator peaks, random-weight
 Qwen2.5 shapes, LoRA r 16 on every projection, prompt 64 + completion 448 tokens): the train step
 at 0.5B x 16 sequences, mixed precision, measured 14.3 GiB, estimated 14.3; 1.5B x 16: 28.7
-measured, 28.6 estimated; the 7B member under FSDP2 on 2 ranks (micro-batch 4): 22.3 measured,
-22.4 estimated. ``training.compile`` fuses part of the activations away (11.5 GiB measured at
-0.5B): the estimate does not model it and is an upper bound there. Not modelled either:
-mixture-of-experts blocks, the allocator's fragmentation, and transient buffers of a rollout's
-prefill.
+measured, 28.7 estimated; the 7B member under FSDP2 on 2 ranks (micro-batch 4): 22.3 measured,
+22.4 estimated (tests/test_memory_estimate.py keeps them within 3%). The activation term per
+layer is exact on the CPU, where the tests count what autograd saves. Members of the 0.5B shape
+at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB: the estimate
+gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
+and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
+
+Not measured on a GPU yet: the activation knobs' terms (checkpointing: every block's input and
+one block recomputed; offloading: two layers' worth and the prefetch), written from what each
+keeps. Not modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB
+measured at 0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts
+blocks, the allocator's fragmentation, and transient buffers of a rollout's prefill.
 """
 
 from __future__ import annotations
@@ -360,8 +367,8 @@ def layer_bytes(shape: ModelShape, plan: Plan) -> int:
     of its input; a LoRA projection saves its input for ``lora_A`` and ``lora_A``'s output for
     ``lora_B``):
 
-    - two RMSNorms: a float32 copy of the hidden state each (``4 H``), and Qwen3's query and
-      key norms likewise;
+    - two RMSNorms: a float32 copy of the hidden state and its reciprocal RMS each
+      (``4 (H + 1)``), and Qwen3's query and key norms likewise per head;
     - attention: SDPA's queries, keys, values and output in the compute dtype, and its float32
       log-sum-exp per head;
     - the MLP: the gate's and the up projection's outputs and the activation's output (``3 I``);
@@ -377,7 +384,7 @@ def layer_bytes(shape: ModelShape, plan: Plan) -> int:
     copies = plan.weight_bytes == 2 and not plan.fsdp
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     adapted = [p for p in plan.adapted if p in PROJECTIONS]
-    norms = 2 * 4 * h + (4 * (q + kv) if shape.qk_norm else 0)
+    norms = 2 * 4 * (h + 1) + (4 * (q + kv + shape.heads + shape.kv_heads) if shape.qk_norm else 0)
     attention = b * (2 * q + 2 * kv) + 4 * shape.heads
     mlp = b * 3 * i
     lora_out = a * plan.lora_r * len(adapted)
@@ -422,14 +429,14 @@ def _persistent(shape: ModelShape, plan: Plan) -> list[Term]:
     params = shape.params()
     terms = []
     if not plan.weights_on_host:
-        how = f"{_count(params)} parameters x {plan.weight_bytes} bytes{split}"
+        how = f"{count_text(params)} parameters x {plan.weight_bytes} bytes{split}"
         terms.append(Term("base weights", params * plan.weight_bytes / share, how))
     n = adapter_params(shape, plan)
     parts = ["float32 weight 4", "gradient 4"]
     parts += [] if plan.moments_on_host else ["AdamW moments 8"]
     parts += ["half copy 2"] if plan.autocast else []
     per = sum(int(p.rsplit(" ", 1)[1]) for p in parts)
-    how = f"{_count(n)} parameters x {per} bytes ({', '.join(parts)}){split}"
+    how = f"{count_text(n)} parameters x {per} bytes ({', '.join(parts)}){split}"
     terms.append(Term("adapter, gradients, optimizer", n * per / share, how))
     return terms
 
@@ -487,8 +494,10 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> Term:
     outside = (4 + plan.weight_bytes) * shape.hidden * tokens  # final norm, the head's input
     count = f"{sequences} x {plan.sequence} tokens"
     every = f"{layer_bytes(shape, plan):,} bytes/token x {count} x {shape.layers} layers"
+    held = shape.layers * layer + outside  # what plain training holds
     if plan.checkpointing and plan.offloading:
-        device = layer + 2 * block_input + OFFLOAD_PREFETCH_BYTES
+        inputs = shape.layers * block_input
+        device = layer + 2 * block_input + min(OFFLOAD_PREFETCH_BYTES, inputs)
         how = "one block recomputed, its input in flight; block inputs on the host"
         host.append(Term("offloaded block inputs", shape.layers * block_input + outside, count))
     elif plan.checkpointing:
@@ -496,11 +505,11 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> Term:
         how = f"each block's input ({shape.hidden} x {plan.weight_bytes} bytes/token), "
         how += "and one block recomputed"
     elif plan.offloading:
-        device = 2 * layer + OFFLOAD_PREFETCH_BYTES
+        device = min(held, 2 * layer + min(OFFLOAD_PREFETCH_BYTES, held))
         how = "two layers' worth on the device and the prefetch; the rest on the host"
-        host.append(Term("offloaded activations", shape.layers * layer + outside, every))
+        host.append(Term("offloaded activations", held, every))
     else:
-        device, how = shape.layers * layer + outside, every
+        device, how = held, every
     return Term("activations", device, how)
 
 
@@ -516,7 +525,8 @@ def _logits(shape: ModelShape, plan: Plan) -> Term:
     return Term("logits", full, f"the full logits ({why}: no lean log-prob path)")
 
 
-def _count(n: float) -> str:
+def count_text(n: float) -> str:
+    """``n`` in words of thousands, millions or billions: ``494.03M``."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.2f}{unit}"
@@ -572,4 +582,5 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
     if smaller and not (plan.checkpointing and plan.offloading):
         setting = "algorithm.micro_batch_size: 1 with both activation knobs"
         knobs.append(knob(setting, micro_batch=1, checkpointing=True, offloading=True))
-    return knobs
+    now = estimate(shape, plan, gpu_bytes).per_gpu
+    return [k for k in knobs if k.estimate.per_gpu < now]
