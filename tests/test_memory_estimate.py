@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -319,19 +320,22 @@ def test_bad_input_is_one_line_without_a_traceback(tmp_path: Path):
     uncached = subprocess.run(
         [sys.executable, "-m", "pbt.cli", "estimate-memory", str(hub)],
         capture_output=True, text=True, timeout=120,
-        env={**_env(), "HF_HUB_CACHE": str(tmp_path / "empty")},
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "empty")},
     )  # fmt: skip
     assert uncached.returncode == 2
     assert (
         "model.name ('Org/M') is a hub id whose config.json is not in the local" in uncached.stderr
     )
-    assert "Traceback" not in negative.stderr + uncached.stderr
-
-
-def _env() -> dict:
-    import os
-
-    return dict(os.environ)
+    knobs = {"activation_checkpointing": "yes", "activation_ofloading": True}
+    typo = _write(tmp_path / "typo.yaml", {**small_sections(tmp_path), "training": knobs})
+    misspelt = _pbt("estimate-memory", str(typo))
+    assert misspelt.returncode == 2
+    for text in (
+        "training.activation_checkpointing ('yes') must be true or false",
+        "training.activation_ofloading is not a known key; did you mean 'activation_offloading'?",
+    ):
+        assert text in misspelt.stderr, misspelt.stderr
+    assert "Traceback" not in negative.stderr + uncached.stderr + misspelt.stderr
 
 
 def test_check_warns_when_members_would_not_fit(tmp_path: Path):

@@ -155,11 +155,11 @@ def _verdict(result: Estimate, knobs: list[Knob], gpu_gib: float) -> list[str]:
     if need <= gpu_gib:
         return [f"fits: {need:.2f} GiB of a {gpu_gib:g} GiB GPU (--gpu-gib)"]
     lines = [f"does not fit: {need:.2f} GiB > a {gpu_gib:g} GiB GPU (--gpu-gib); knobs:"]
+    width = max((len(k.setting) for k in knobs), default=0)
     for knob in knobs:
         verdict = "fits" if knob.fits(gpu_gib * GIB) else "not enough alone"
-        lines.append(
-            f"  {knob.setting:<58} -> {knob.estimate.per_gpu / GIB:8.2f} GiB per GPU ({verdict})"
-        )
+        per_gpu = knob.estimate.per_gpu / GIB
+        lines.append(f"  {knob.setting:<{width}} -> {per_gpu:8.2f} GiB per GPU ({verdict})")
     return lines
 
 

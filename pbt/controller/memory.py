@@ -452,6 +452,7 @@ def _static_cache(shape: ModelShape, plan: Plan) -> list[Term]:
     length = -(-plan.sequence // STATIC_LENGTH_BUCKET) * STATIC_LENGTH_BUCKET
     rows = plan.rollouts + plan.eval_rollouts
     how = f"({plan.rollouts} + {plan.eval_rollouts} eval) sequences x {length} tokens, kept"
+    how += " (up to 4 shapes are)"
     return [Term("static KV cache", rows * length * _kv_bytes_per_token(shape, plan), how)]
 
 
@@ -578,7 +579,10 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
             knobs.append(next((k for k in tries if fits(k)), tries[-1]))
     if gpus:
         setting = f"distributed.fsdp: true, launch.gpus_per_member: {2 * gpus}"
-        knobs.append(knob(setting, fsdp=True, ranks=2 * plan.ranks, autocast=False))
+        sharded = {"fsdp": True, "ranks": 2 * plan.ranks, "autocast": False}
+        if plan.engine == "static":  # a sharded model cannot be captured
+            setting, sharded["engine"] = f"{setting}, rollout.engine: hf", "hf"
+        knobs.append(knob(setting, **sharded))
     if smaller and not (plan.checkpointing and plan.offloading):
         setting = "algorithm.micro_batch_size: 1 with both activation knobs"
         knobs.append(knob(setting, micro_batch=1, checkpointing=True, offloading=True))
