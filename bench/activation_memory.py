@@ -146,7 +146,8 @@ def run_mode(args: argparse.Namespace, checkpointing: bool, offloading: bool) ->
 
 def _estimate(config, args: argparse.Namespace, checkpointing: bool, offloading: bool) -> float:
     """The estimate's training peak for this step (no rollout), in GiB."""
-    from pbt.controller.memory import GIB, Plan, estimate, shape_from_config
+    from pbt.controller.memory import GIB, Plan, estimate
+    from pbt.controller.model_shape import shape_from_config
 
     shape = shape_from_config(config.to_dict(), args.shape)
     plan = Plan(

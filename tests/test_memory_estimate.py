@@ -21,16 +21,14 @@ from pbt.config.loader import manifest_from_dict
 from pbt.controller import memory
 from pbt.controller.memory import (
     GIB,
-    ModelShape,
     Plan,
     adapter_params,
     advice,
     estimate,
     layer_bytes,
     plan_from_manifest,
-    read_model_shape,
-    shape_from_config,
 )
+from pbt.controller.model_shape import ModelShape, read_model_shape, shape_from_config
 
 SMALL = ModelShape(
     hidden=8, layers=2, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=32, tied=False

@@ -18,15 +18,14 @@ from pbt.controller.memory import (
     GIB,
     Estimate,
     Knob,
-    ModelShape,
     Plan,
     Term,
     advice,
     count_text,
     estimate,
     plan_from_manifest,
-    read_model_shape,
 )
+from pbt.controller.model_shape import ModelShape, read_model_shape
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
