@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from pbt.algorithms.activations import checkpoint_blocks, offload_activations
 from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
 from pbt.algorithms.learner import Learner, learner_class
 from pbt.algorithms.models import (
@@ -66,9 +67,13 @@ class Host:
         base = load_base_model(manifest.model, device, manifest.base_dir)
         self.model = add_lora(base, manifest.lora)
         learner_class(manifest.algorithm.name).prepare_model(self.model, manifest.lora)
+        if manifest.training.activation_checkpointing:
+            checkpoint_blocks(base)  # before sharding: FSDP's hooks stay outside the recompute
         self.fsdp = FSDPConfig.from_value(manifest.distributed.fsdp)
         if self.fsdp is not None:
             shard_model(self.model, base, self.fsdp, device)
+        if manifest.training.activation_offloading:
+            offload_activations(self.model, device)
         set_mixed_precision(self.model, manifest.training.mixed_precision and self.fsdp is None)
         if manifest.training.compile:
             compile_decoder(self.model)

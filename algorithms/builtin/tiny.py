@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pbt.config.model import BUILTIN_MODEL
+from pbt.config.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -32,7 +32,7 @@ TINY_VERSION = 2
 MARKER = ".complete"
 """Written last into a finished folder; a folder without it is incomplete."""
 
-VOCAB_SIZE = 1024
+VOCAB_SIZE = BUILTIN_MODEL_ARCHITECTURE["vocab_size"]
 HEAD_INIT_STD = 0.09
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
@@ -255,16 +255,10 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path, **shape: object) 
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    architecture = {k: v for k, v in BUILTIN_MODEL_ARCHITECTURE.items() if k != "model_type"}
     fields = dict(
+        architecture,
         vocab_size=-(-len(tokenizer) // 64) * 64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
         rope_theta=10000.0,
         bos_token_id=None,
         eos_token_id=eos_id,

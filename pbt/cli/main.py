@@ -10,6 +10,7 @@
     pbt dashboard DIR [--port P]     optuna-dashboard on a campaign's studies
     pbt train [MANIFEST]             train one member on its own
     pbt check MANIFEST               validate a manifest
+    pbt estimate-memory MANIFEST     each member's GPU memory, whether it fits, what to turn
     pbt stop DIR                     interrupt a campaign's controller and end its members
     pbt submit MANIFEST --dir DIR    run the controller itself as a Slurm job
 
@@ -28,7 +29,7 @@ import typing
 from pathlib import Path
 
 from pbt import __version__
-from pbt.cli import cluster
+from pbt.cli import cluster, memory
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
@@ -51,6 +52,9 @@ def _check(args: argparse.Namespace) -> int:
     settings.pop("translation_notes")  # printed as notes below
     print(json.dumps(settings, indent=2))
     _print_notes(manifest)
+    warning = memory.memory_warning(manifest, args.manifest)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"{args.manifest}: valid", file=sys.stderr)
     return 0
 
@@ -281,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a manifest")
     check.add_argument("manifest")
     check.set_defaults(func=_check)
+    memory.add_parser(sub)
     return parser
 
 

@@ -94,10 +94,22 @@ class Manifest:
         ``pbt run`` print these): AgileRL keys that change nothing here, and a base model that
         members will fetch from the hub."""
         notes = list(self.translation_notes)
+        if self.training.activation_offloading and self._trains_on_cpu():
+            notes.append(
+                "training.activation_offloading (true) has no effect on the CPU, where the "
+                "activations already are in host memory; it applies to members on a GPU "
+                "(launch.gpus_per_member > 0, or training.device: cuda for pbt train)"
+            )
         if not self.model.name.strip():
             return notes
         note = locate_model(self.model.name, self.base_dir).note
         return [*notes, note] if note else notes
+
+    def _trains_on_cpu(self) -> bool:
+        """Whether members certainly train on the CPU: ``training.device`` says so, or a
+        campaign's members get no GPU and ``device`` does not ask for one."""
+        device = self.training.device
+        return device == "cpu" or (device == "auto" and self.launch.gpus_per_member == 0)
 
     def _check_model(self) -> list[str]:
         """``model.name`` is the built-in model, a folder with a ``config.json`` or a hub id

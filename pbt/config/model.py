@@ -14,6 +14,20 @@ from pbt.config.rules import positive
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BUILTIN_MODEL = "builtin:tiny"
 """The one built-in model: built locally, needs no download."""
+BUILTIN_MODEL_ARCHITECTURE: dict[str, object] = {
+    "model_type": "qwen2",
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+"""The built-in model's architecture as its ``config.json`` states it, known without building
+it (the memory estimate reads it; the builder writes it)."""
 _HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w][\w.-]*)?$")
 _MODEL_FIX = (
     "give a model folder (relative paths resolve against the manifest's folder), a hub id such "

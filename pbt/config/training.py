@@ -53,6 +53,18 @@ class TrainingConfig:
     compile: bool = False
     """Compile the decoder (forward and backward) with ``torch.compile``: faster steps after a
     compile of a minute or so at start; not with FSDP2."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input from the training forward and recompute the
+    block in the backward pass: activation memory drops from every layer's intermediates to
+    one hidden state per layer (plus one block's, briefly), for about a third more compute per
+    step. Applied per block before FSDP2 shards it; rollouts and evaluation (no gradients)
+    never recompute anything."""
+    activation_offloading: bool = False
+    """On CUDA: move the tensors the training forward saves for backward to pinned host memory
+    as they are saved, on a side stream that overlaps the copies with compute, and bring them
+    back (prefetched) in the backward pass. GPU activation memory drops to about two layers'
+    worth at the price of host memory and PCIe traffic; with ``activation_checkpointing`` only
+    the blocks' inputs travel. No effect on the CPU, where the activations already live."""
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []

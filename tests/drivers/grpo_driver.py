@@ -3,7 +3,8 @@
 Trains a member on fixed synthetic batches, so runs at different world sizes see exactly the
 same global batch, and writes what it saw (losses, gathered adapter) for the test to compare.
 
-    driver.py OUT.json --steps N [--fsdp] [--no-defer] [--save-at K CKPT] [--load CKPT]
+    driver.py OUT.json --steps N [--fsdp] [--no-defer] [--checkpointing] [--save-at K CKPT]
+        [--load CKPT]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pbt.distributed.state import gather_parameters
 PROMPTS, GROUP, LENGTH = 4, 4, 6
 
 
-def manifest(fsdp: dict | bool | None, timeout_s: float = 600.0):
+def manifest(fsdp: dict | bool | None, timeout_s: float = 600.0, checkpointing: bool = False):
     return manifest_from_dict(
         {
             "optim": {"lr": 5e-3, "warmup_steps": 1},
@@ -38,7 +39,11 @@ def manifest(fsdp: dict | bool | None, timeout_s: float = 600.0):
             "rollout": {"max_output_tokens": LENGTH},
             "task": {"eval_size": 8},
             "distributed": {"fsdp": fsdp, "timeout_s": timeout_s},
-            "training": {"steps": 10, "device": "cpu"},
+            "training": {
+                "steps": 10,
+                "device": "cpu",
+                "activation_checkpointing": checkpointing,
+            },
         }
     )
 
@@ -67,13 +72,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--no-defer", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true", help="checkpoint every block")
     parser.add_argument("--save-at", nargs=2)
     parser.add_argument("--load")
     parser.add_argument("--hang-rank", type=int, help="this rank sleeps instead of training")
     args = parser.parse_args()
     fsdp = {"defer_grad_sync": not args.no_defer} if args.fsdp else None
     timeout = 5.0 if args.hang_rank is not None else 600.0
-    member = Member(manifest(fsdp, timeout), torch.device("cpu"))
+    member = Member(manifest(fsdp, timeout, args.checkpointing), torch.device("cpu"))
     if args.hang_rank == world_info().rank:
         time.sleep(60)
     if args.load:
@@ -92,7 +98,11 @@ def main() -> None:
     if world.rank == 0:
         torch.save(adapter, args.out + ".pt")
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "world_size": world.world_size}, f)
+            checkpointed = sum(
+                getattr(m, "pbt_checkpointed", False) for m in member.model.modules()
+            )
+            out = {"losses": losses, "world_size": world.world_size, "checkpointed": checkpointed}
+            json.dump(out, f)
     shutdown()
 
 
