@@ -37,6 +37,48 @@ from train_step import SHAPES
 MODES = {"long-lived": "long-lived worker", "restart": "restart per task"}
 
 
+def write_tasks(
+    root: Path,
+    campaign: Path,
+    manifest: dict,
+    generation: int,
+    members: int,
+    steps: int,
+    digests: dict[str, str],
+) -> list:
+    """One generation's task files: member ``i`` of a later generation loads member ``i + 1``'s
+    checkpoint of the one before (as selection would pick), its lr set apart from the others'.
+    ``digests`` holds the checkpoints' digests, so a worker may load a parent from memory."""
+    from pbt.controller.launch import TaskSpec
+    from pbt.protocol.files import write_json_atomic
+
+    tasks = []
+    for i in range(members):
+        member = f"g{generation}-m{i}"
+        parent = f"g{generation - 1}-m{(i + 1) % members}" if generation else None
+        task_dir = campaign / "tasks" / member
+        task_dir.mkdir(parents=True)
+        write_json_atomic(
+            task_dir / "task.json",
+            {
+                "campaign_dir": str(campaign),
+                "manifest": manifest,
+                "manifest_base_dir": str(root),
+                "member_id": member,
+                "generation": generation,
+                "parent_id": parent,
+                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
+                "parent_digest": digests.get(parent),
+                "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
+                "mutation": "lr" if parent else None,
+                "steps": steps,
+                "checkpoint": f"checkpoints/{member}",
+            },
+        )
+        tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
+    return tasks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
@@ -49,8 +91,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
 
-    from pbt.controller.launch import LocalLauncher, PersistentLauncher, TaskSpec, member_command
-    from pbt.protocol.files import write_json_atomic
+    from pbt.controller.launch import LocalLauncher, PersistentLauncher, member_command
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -82,32 +123,9 @@ def main() -> None:
             walls, works, fitness, digests = [], [], [], {}
             try:
                 for generation in range(args.generations):
-                    tasks = []
-                    for i in range(args.members):
-                        member = f"g{generation}-m{i}"
-                        parent = (
-                            f"g{generation - 1}-m{(i + 1) % args.members}" if generation else None
-                        )
-                        task_dir = campaign / "tasks" / member
-                        task_dir.mkdir(parents=True)
-                        write_json_atomic(
-                            task_dir / "task.json",
-                            {
-                                "campaign_dir": str(campaign),
-                                "manifest": manifest,
-                                "manifest_base_dir": str(root),
-                                "member_id": member,
-                                "generation": generation,
-                                "parent_id": parent,
-                                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
-                                "parent_digest": digests.get(parent),
-                                "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
-                                "mutation": "lr" if parent else None,
-                                "steps": args.steps,
-                                "checkpoint": f"checkpoints/{member}",
-                            },
-                        )
-                        tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
+                    tasks = write_tasks(
+                        root, campaign, manifest, generation, args.members, args.steps, digests
+                    )
                     start = time.perf_counter()
                     outcomes = launcher.run(tasks)
                     walls.append(time.perf_counter() - start)

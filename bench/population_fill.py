@@ -28,38 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from evolution_overhead import write_tasks
 from train_step import SHAPES
-
-
-def _tasks(root: Path, campaign: Path, manifest: dict, generation: int, args, digests: dict):
-    from pbt.controller.launch import TaskSpec
-    from pbt.protocol.files import write_json_atomic
-
-    tasks = []
-    for i in range(args.members):
-        member = f"g{generation}-m{i}"
-        parent = f"g{generation - 1}-m{(i + 1) % args.members}" if generation else None
-        task_dir = campaign / "tasks" / member
-        task_dir.mkdir(parents=True)
-        write_json_atomic(
-            task_dir / "task.json",
-            {
-                "campaign_dir": str(campaign),
-                "manifest": manifest,
-                "manifest_base_dir": str(root),
-                "member_id": member,
-                "generation": generation,
-                "parent_id": parent,
-                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
-                "parent_digest": digests.get(parent),
-                "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
-                "mutation": "lr" if parent else None,
-                "steps": args.steps,
-                "checkpoint": f"checkpoints/{member}",
-            },
-        )
-        tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
-    return tasks
 
 
 class _GpuSampler:
@@ -146,7 +116,9 @@ def main() -> None:
             digests: dict[str, str] = {}
             try:
                 for generation in range(args.generations):
-                    tasks = _tasks(root, campaign, manifest, generation, args, digests)
+                    tasks = write_tasks(
+                        root, campaign, manifest, generation, args.members, args.steps, digests
+                    )
                     last = generation == args.generations - 1
                     sampler = _GpuSampler(args.gpu) if last and gpus else None
                     start = time.perf_counter()

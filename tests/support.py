@@ -17,6 +17,29 @@ import yaml
 from pbt.config import Manifest
 from pbt.config.loader import manifest_from_dict
 
+TINY_CAMPAIGN = {
+    "model": {"name": "builtin:tiny"},
+    "algorithm": {"group_size": 4, "prompts_per_step": 4},
+    "rollout": {"max_output_tokens": 8},
+    "task": {"name": "builtin:letters", "eval_size": 16},
+    "training": {"seed": 3, "device": "cpu"},
+    "population": {"size": 4, "tournament_size": 2, "evo_steps": 4, "init_sampler": "random"},
+    "mutation": {
+        "no_mutation": 0.2,
+        "rl_hp": 0.8,
+        "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
+    },
+    "budget": {"generations": 3},
+    "launch": {
+        "slots": 2,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 120,
+        "persistent_workers": False,
+    },
+}
+"""A campaign of real members on the tiny model, a process group per task: 4 members x 3
+generations x 4 steps."""
+
 
 def small_manifest(tmp_path: Path, **sections: dict) -> Manifest:
     """A fast manifest on the tiny model: 2 prompts x 4 completions x 6 tokens per step."""

@@ -16,29 +16,12 @@ import yaml
 
 from pbt.controller.store import CampaignStore
 from pbt.protocol.files import read_json
+from tests.support import TINY_CAMPAIGN
 
 pytestmark = pytest.mark.integration
 
-MANIFEST = {
-    "model": {"name": "builtin:tiny"},
-    "algorithm": {"group_size": 4, "prompts_per_step": 4},
-    "rollout": {"max_output_tokens": 8},
-    "task": {"name": "builtin:letters", "eval_size": 16},
-    "training": {"seed": 3, "device": "cpu"},
-    "population": {"size": 4, "tournament_size": 2, "evo_steps": 4, "init_sampler": "random"},
-    "mutation": {
-        "no_mutation": 0.2,
-        "rl_hp": 0.8,
-        "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
-    },
-    "budget": {"generations": 3},
-    "launch": {
-        "slots": 2,
-        "max_attempts": 2,
-        "heartbeat_timeout_s": 120,
-        "persistent_workers": False,
-    },
-}
+MANIFEST = TINY_CAMPAIGN
+
 PBT = [sys.executable, "-m", "pbt.cli"]
 
 

@@ -36,6 +36,7 @@ from pbt.controller.report import status_text
 from pbt.controller.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.controller.store import CampaignStore
 from pbt.protocol.files import read_json, write_json_atomic
+from tests.support import TINY_CAMPAIGN
 
 pytestmark = pytest.mark.integration
 
@@ -214,24 +215,9 @@ def test_jobs_past_the_slots_queue_and_status_says_so(tmp_path: Path) -> None:
 # -- campaigns on the tiny model --------------------------------------------------------------
 
 MANIFEST = {
-    "model": {"name": "builtin:tiny"},
-    "algorithm": {"group_size": 4, "prompts_per_step": 4},
-    "rollout": {"max_output_tokens": 8},
-    "task": {"name": "builtin:letters", "eval_size": 16},
-    "training": {"seed": 3, "device": "cpu"},
-    "population": {"size": 2, "tournament_size": 2, "evo_steps": 2, "init_sampler": "random"},
-    "mutation": {
-        "no_mutation": 0.2,
-        "rl_hp": 0.8,
-        "ranges": {"lr": {"min": 1e-4, "max": 2e-2, "log": True}},
-    },
+    **TINY_CAMPAIGN,
+    "population": {**TINY_CAMPAIGN["population"], "size": 2, "evo_steps": 2},
     "budget": {"generations": 2},
-    "launch": {
-        "slots": 2,
-        "max_attempts": 2,
-        "heartbeat_timeout_s": 120,
-        "persistent_workers": False,
-    },
 }
 SLURM = {"backend": "slurm", "slurm": {"time": "00:10:00", "poll_s": 0.3}}
 

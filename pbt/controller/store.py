@@ -112,6 +112,23 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+def _insert_next(
+    db: sqlite3.Connection,
+    generation: int,
+    next_members: list[MemberRecord],
+    events: list[dict],
+    now: str,
+) -> None:
+    """Insert ``generation + 1``'s members and the lineage events that made them."""
+    new_rows = (_member_row(r) for r in _of_generation(next_members, generation + 1))
+    db.executemany(_INSERT_MEMBER, new_rows)
+    db.executemany(
+        "INSERT INTO lineage (generation, member_id, parent_id, kind, detail, created_at) "
+        "VALUES (:generation, :member_id, :parent_id, :kind, :detail, :now)",
+        (_event_row(event, generation, now) for event in events),
+    )
+
+
 def _member_row(record: MemberRecord) -> dict[str, Any]:
     """A record as named SQL parameters: JSON for the dict and the list, ``last_fitness``
     kept in its own column so the best member is one query."""
@@ -387,13 +404,7 @@ class CampaignStore:
                 raise ValueError(f"generation {generation} is not after the last committed, {last}")
             for record in _of_generation(finished, generation):
                 self._update(db, record)
-            new_rows = (_member_row(r) for r in _of_generation(next_members, generation + 1))
-            db.executemany(_INSERT_MEMBER, new_rows)
-            db.executemany(
-                "INSERT INTO lineage (generation, member_id, parent_id, kind, detail, created_at) "
-                "VALUES (:generation, :member_id, :parent_id, :kind, :detail, :now)",
-                (_event_row(event, generation, now) for event in events),
-            )
+            _insert_next(db, generation, next_members, events, now)
             db.execute(
                 "INSERT INTO generations (generation, committed_at, best_member_id, best_fitness, "
                 "controller_state) VALUES (?, ?, ?, ?, ?)",
@@ -425,13 +436,7 @@ class CampaignStore:
             taken = "SELECT 1 FROM members WHERE generation > ?"
             if db.execute(taken, (generation,)).fetchone():
                 raise ValueError(f"generation {generation} already has successors")
-            new_rows = (_member_row(r) for r in _of_generation(next_members, generation + 1))
-            db.executemany(_INSERT_MEMBER, new_rows)
-            db.executemany(
-                "INSERT INTO lineage (generation, member_id, parent_id, kind, detail, created_at) "
-                "VALUES (:generation, :member_id, :parent_id, :kind, :detail, :now)",
-                (_event_row(event, generation, now) for event in events),
-            )
+            _insert_next(db, generation, next_members, events, now)
             db.execute(
                 "UPDATE generations SET controller_state = ? WHERE generation = ?",
                 (json.dumps(controller_state), generation),
