@@ -393,7 +393,8 @@ def test_status_shows_a_queued_member(tmp_path: Path) -> None:
                          slurm={"time": "00:10:00", "poll_s": 0.3, "cpus_per_task": 4})  # fmt: skip
     directory = tmp_path / "c"
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "--cpus-per-task=5", "--wrap", "sleep 120"],
+        ["sbatch", "--parsable", "--cpus-per-task=5", f"--output={tmp_path / 'blocker.out'}",
+         "--wrap", "sleep 120"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     proc = subprocess.Popen([*PBT, "run", str(manifest), "--dir", str(directory)],
