@@ -16,7 +16,7 @@ from pbt.config.loader import read_manifest_file
 from pbt.controller.campaign import STORE_FILENAME
 from pbt.controller.launch import kill_orphan
 from pbt.controller.lock import controller_running
-from pbt.controller.slurm import SlurmQueue, cancel_campaign_jobs
+from pbt.controller.slurm import SlurmQueue, cancel_campaign_jobs, live_jobs
 
 STOP_WAIT_S = 180.0
 """How long ``pbt stop`` waits for the controller to cancel its members and exit."""
@@ -46,9 +46,7 @@ def stop(directory: Path, wait_s: float = STOP_WAIT_S) -> list[str]:
     ended += [p.name for p in (directory / "workers").glob("slot*") if kill_orphan(p, names=p)]
     if ended:
         said.append(f"ended local members' processes: {', '.join(sorted(ended))}")
-    if any((directory / "tasks").glob("*/job.json")) or any(
-        (directory / "workers").glob("slot*/job.json")
-    ):
+    if live_jobs(directory):
         cancelled = cancel_campaign_jobs(directory)
         said.append(
             f"cancelled Slurm jobs {', '.join(cancelled)}" if cancelled else "no Slurm job left"

@@ -208,14 +208,14 @@ class SlurmJob:
     """A submitted job, with the part of :class:`subprocess.Popen`'s interface the launchers
     use: ``poll``, ``wait`` and a ``pid`` (the job id)."""
 
-    def __init__(self, queue: SlurmQueue, job_id: str, record: Path) -> None:
-        self.queue, self.job_id, self.record = queue, job_id, Path(record)
+    def __init__(self, queue: SlurmQueue, job_id: str, record: Path | None = None) -> None:
+        self.queue, self.job_id, self.record = queue, job_id, record
         self.pid = int(job_id)
         self._seen: tuple[str, str] | None = None
 
     def state(self) -> JobState:
         state = self.queue.state(self.job_id)
-        if (state.state, state.reason) != self._seen:
+        if self.record is not None and (state.state, state.reason) != self._seen:
             self._seen = (state.state, state.reason)
             with contextlib.suppress(OSError):
                 old = read_json(self.record) or {}
@@ -365,7 +365,7 @@ class _SlurmBackend:
         path = log_path.with_suffix(".sbatch")
         path.write_text(script, encoding="utf-8")
         job_id = self.queue.submit(path)
-        return SlurmJob(self.queue, job_id, log_path.parent / f".{job_id}.job.json")
+        return SlurmJob(self.queue, job_id)  # its record is placed by _record
 
     def _record(self, proc: SlurmJob, folder: Path) -> None:
         proc.record = Path(folder) / JOB_FILE
