@@ -36,7 +36,13 @@ from pbt.config.errors import CheckpointError
 from pbt.config.fsdp import FSDPConfig
 from pbt.distributed import all_gather_objects, barrier, init_process_group
 from pbt.distributed.fsdp import shard_model
-from pbt.distributed.state import gather_parameters, load_parameters
+from pbt.distributed.state import (
+    HostCopies,
+    copies_in_background,
+    gather_parameters,
+    load_parameters,
+    to_device,
+)
 from pbt.protocol.collapse import collapse_detail, diagnosis, is_zero_signal
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -258,12 +264,18 @@ class Member:
         digest (None on other ranks).
 
         The write needs neither the device nor the other ranks, so it may run while the model
-        trains the next member. A collective: every rank calls it.
+        trains the next member. On one GPU the copy itself is still travelling when this
+        returns: packed on the device, it reaches pinned host memory on a side stream while
+        the next member starts, and the write waits for it. A collective: every rank calls it.
         """
-        attributes = self.attributes()
+        if self.world.world_size > 1 or torch.device(self.device).type != "cuda":
+            attributes, copies = self.attributes(), None
+        else:
+            with copies_in_background() as copies:
+                attributes = self.attributes()
         if self.world.rank != 0:
             return None
-        return Snapshot(Path(path), attributes, self._adapter_config())
+        return Snapshot(Path(path), attributes, self._adapter_config(), copies)
 
     def _adapter_config(self) -> dict[str, Any]:
         return adapter_config(
@@ -283,8 +295,8 @@ class Member:
             attrs = load_checkpoint(path)
         elif torch.device(self.device).type == "cpu":
             attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
-        else:
-            attrs = held
+        else:  # a snapshot's packed buffers: one copy to the device each
+            attrs = to_device(held, self.device)
         self._check_compatible(attrs, path)
         named = self.learner.named_params
         saved = attrs["trainable"]
@@ -337,11 +349,21 @@ class Snapshot:
     """A member's state in host memory; calling it writes the checkpoint and returns its
     digest (kept as ``digest``)."""
 
-    def __init__(self, path: Path, attributes: dict[str, Any], config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        attributes: dict[str, Any],
+        config: dict[str, Any],
+        copies: HostCopies | None = None,
+    ) -> None:
         self.path, self.attributes, self.config = path, attributes, config
         self.digest: str | None = None
+        self._copies = copies
 
     def __call__(self) -> str:
+        if self._copies is not None:  # the bytes from the device, before anything reads them
+            self.attributes = self._copies.settle(self.attributes)
+            self._copies = None
         self.digest = save_checkpoint(self.path, self.attributes, self.config)
         return self.digest
 

@@ -8,6 +8,9 @@ result is keyed by parameter name, so it does not depend on how many ranks saved
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,12 +37,111 @@ def full_tensors(tensors: list[Tensor]) -> list[Tensor]:
     for i, t in enumerate(full):
         if out[i] is None:
             groups.setdefault((t.device, t.dtype), []).append(i)
-    for indices in groups.values():
-        flat = torch.cat([full[i].reshape(-1) for i in indices]).to("cpu")
-        pieces = flat.split([full[i].numel() for i in indices])
-        for i, piece in zip(indices, pieces, strict=True):
+    pending = _PENDING.get()
+    for (device, _), indices in groups.items():
+        flat = torch.cat([full[i].reshape(-1) for i in indices])
+        sizes = [full[i].numel() for i in indices]
+        if pending is not None and device.type == "cuda":
+            pieces = pending.copy(flat).split(sizes)  # filled in the background: views for now
+            for i, piece in zip(indices, pieces, strict=True):
+                out[i] = piece.view(full[i].shape)
+            continue
+        for i, piece in zip(indices, flat.to("cpu").split(sizes), strict=True):
             out[i] = piece.view(full[i].shape).clone()  # its own storage, as a saved file needs
     return out  # type: ignore[return-value]
+
+
+class HostCopies:
+    """Device-to-host copies in flight on a side stream, into pinned buffers: the caller goes
+    on (the next member trains on the default stream) while the bytes travel; :meth:`settle`
+    waits for them. The packed device buffers are copies already, so training may change the
+    parameters they came from at once."""
+
+    def __init__(self) -> None:
+        self._copies: list[tuple[torch.cuda.Event, Tensor, Tensor]] = []
+
+    def copy(self, flat: Tensor) -> Tensor:
+        """A pinned host tensor that will hold ``flat``'s values once settled."""
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        stream = _side_stream(flat.device)
+        stream.wait_stream(torch.cuda.current_stream(flat.device))
+        with torch.cuda.stream(stream):
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._copies.append((done, flat, host))  # ``flat`` lives until its copy is done
+        return host
+
+    def settle(self, tree: Any) -> Any:
+        """Wait for the copies to arrive; ``tree`` with its views of the pinned buffers moved
+        onto pageable copies of them, one buffer per dtype still (saved, each is written
+        once; loaded back onto a GPU, each travels in one copy: :func:`to_device`). The
+        pinned buffers go back to torch's pinned-memory cache for the next snapshot."""
+        if not self._copies:
+            return tree
+        pageable: dict[int, torch.UntypedStorage] = {}
+        for done, _, host in self._copies:
+            done.synchronize()
+            own = torch.empty(host.shape, dtype=host.dtype)  # pageable (a clone stays pinned)
+            pageable[host.untyped_storage().data_ptr()] = own.copy_(host).untyped_storage()
+        self._copies.clear()
+
+        def rehome(t: Tensor) -> Tensor:
+            storage = pageable.get(t.untyped_storage().data_ptr())
+            if storage is None:
+                return t
+            return torch.empty(0, dtype=t.dtype).set_(
+                storage, t.storage_offset(), t.size(), t.stride()
+            )
+
+        return torch.utils._pytree.tree_map_only(Tensor, rehome, tree)
+
+
+_PENDING: contextvars.ContextVar[HostCopies | None] = contextvars.ContextVar(
+    "pbt_host_copies", default=None
+)
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+@contextlib.contextmanager
+def copies_in_background() -> Iterator[HostCopies]:
+    """Within it, :func:`full_tensors` returns a GPU tensor's host copy before its bytes have
+    arrived (a pinned buffer filled on a side stream); nothing may read those host tensors
+    before the yielded :class:`HostCopies` settles them. No effect on CPU tensors."""
+    copies = HostCopies()
+    token = _PENDING.set(copies)
+    try:
+        yield copies
+    finally:
+        _PENDING.reset(token)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every CPU tensor that shares its storage with others (the views of a
+    snapshot's packed buffer, see :class:`HostCopies`) on ``device``: each such storage travels
+    in one copy instead of one per tensor. Other tensors are left where they are."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+    views: dict[int, list[Tensor]] = {}
+    for t in leaves:
+        if t.device.type == "cpu":
+            views.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    moved: dict[int, Tensor] = {}
+    for group in views.values():
+        if len(group) < 2:
+            continue
+        storage = group[0].untyped_storage()
+        host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        there = host.to(device, non_blocking=host.is_pinned()).untyped_storage()
+        for t in group:
+            on = torch.empty(0, dtype=t.dtype, device=device)
+            moved[id(t)] = on.set_(there, t.storage_offset(), t.size(), t.stride())
+    return torch.utils._pytree.tree_map_only(Tensor, lambda t: moved.get(id(t), t), tree)
 
 
 def like(reference: Tensor, full: Tensor) -> Tensor:

@@ -150,3 +150,37 @@ def test_newer_format_is_refused(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="upgrade pbt-llm"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on one)")
+def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_path):
+    """On one GPU the snapshot's copy to the host is still in flight when it returns; the next
+    member may train at once, and the checkpoint written afterwards holds the state of the
+    moment of the snapshot, byte for byte what a snapshot copied at once writes."""
+    cuda = torch.device("cuda")
+    member = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+    _train(member, 2)
+    background = member.snapshot(tmp_path / "background")
+    assert background._copies is not None  # the copies travel on the side stream
+    at_once = member.save(tmp_path / "at-once")  # the same moment, written before training
+    moment = _adapter(member)
+    _train(member, 2)  # the parameters move while the first snapshot's bytes travel
+    assert any(not torch.equal(moment[n], p) for n, p in _adapter(member).items())
+    assert background() == at_once
+    restored = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+    restored.load(tmp_path / "background")
+    for name, value in _adapter(restored).items():
+        assert torch.equal(value, moment[name]), name
+    # the same state from host memory (a parent a long-lived worker holds): packed buffers
+    # travel to the device in one copy each, and train on exactly as the file's copy does
+    held = {**background.attributes, "digest": at_once}
+    assert not any(
+        t.is_pinned() for t in torch.utils._pytree.tree_leaves(held) if torch.is_tensor(t)
+    )
+    from_memory = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+    from_memory.load(tmp_path / "background", held)  # each load restores the global RNG too
+    from_memory_rewards = _train(from_memory, 2)
+    restored.load(tmp_path / "background")
+    assert from_memory_rewards == _train(restored, 2)
+    for name, value in _adapter(from_memory).items():
+        assert torch.equal(value, _adapter(restored)[name]), name

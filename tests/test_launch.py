@@ -447,8 +447,10 @@ SERVING_MEMBER = textwrap.dedent(
             print("serving", task_path.parent.name, flush=True)
             if behaviour == "exit1":
                 sys.exit(1)
-            time.sleep(0.05)
-            result = {"status": "ok", "pid": os.getpid(), "served": served}
+            time.sleep(7.0 if behaviour == "slow" else 0.05)
+            after = folder / "inbox" / f"{served:06d}.json"
+            result = {"status": "ok", "pid": os.getpid(), "served": served,
+                      "next_handed_over": after.exists()}
             write_json_atomic(task_path.parent / "result.json", result)
     """
 )
@@ -486,3 +488,37 @@ def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tm
     assert "exit code 1" in outcomes[3].detail
     assert "no heartbeat" in outcomes[5].detail
     assert wait_dead(worker.pid)
+
+
+def test_long_lived_worker_gets_its_next_task_ahead_with_clocks_that_wait(tmp_path):
+    """A worker is handed its next task while it runs the current one, so it starts it with no
+    round trip through the controller; the task handed ahead shows as queued, and its
+    heartbeat clock starts only when the task before it lets go: behind a member that trains
+    longer than the heartbeat timeout, it is not killed for silence."""
+    from pbt.controller.launch import PersistentLauncher
+
+    script = tmp_path / "serving_member.py"
+    script.write_text(SERVING_MEMBER)
+    workers = PersistentLauncher(
+        [sys.executable, str(script), "--nproc={nproc}", "--port={port}"],
+        tmp_path / "workers",
+        slots=1,
+        heartbeat_timeout_s=6.0,
+        poll_s=0.05,
+    )
+    tasks = [make_task(tmp_path, f"t{i}-{b}", b) for i, b in enumerate(["slow", "ok", "ok"])]
+    polls: list[tuple[list[str], list[str]]] = []
+
+    def on_poll(running, queued) -> None:
+        polls.append(([t.task_id for t in running], [t.task_id for t in queued]))
+
+    try:
+        outcomes = workers.run(tasks, on_poll=on_poll)
+    finally:
+        workers.close()
+    assert [o.status for o in outcomes] == ["ok", "ok", "ok"]
+    assert len({o.result["pid"] for o in outcomes}) == 1
+    assert outcomes[0].result["next_handed_over"]  # t1's entry was there before t0 ended
+    assert not outcomes[2].result["next_handed_over"]
+    assert (["t0-slow"], ["t1-ok", "t2-ok"]) in polls  # t1 handed over, not yet taken
+    assert outcomes[1].seconds < 5.0  # its clock started when t0 ended, not at hand-over

@@ -128,6 +128,11 @@ class _Running:
     started: float  # time.monotonic()
     started_wall: float  # time.time(), to compare with the heartbeat's mtime
     released: bool = False  # its slot was handed on before it ended (see RELEASED)
+    behind: _Running | None = None
+    """The task its worker runs before this one, when it was handed over ahead (see
+    :attr:`LocalLauncher.ahead`)."""
+    taken: bool = False  # handed ahead, and its worker has started it (it heartbeats)
+    ended: bool = False
 
 
 class LocalLauncher:
@@ -216,39 +221,84 @@ class LocalLauncher:
         """
         self._check_tasks(tasks)
         queue = collections.deque(enumerate(tasks))
-        free = list(range(self.slots))
+        holding: list[list[_Running]] = [[] for _ in range(self.slots)]
+        """Each slot's tasks not yet released, in the order its worker takes them."""
         running: list[_Running] = []
         outcomes: dict[int, Outcome] = {}
         try:
             while queue or running:
-                while queue and free:
+                while queue and (slot := self._next_slot(holding, queue[0][1])) is not None:
                     index, task = queue.popleft()
-                    slot = free.pop(0)
-                    running.append(self._start(index, task, slot, {r.port for r in running}))
-                    self.started[task.task_id] = str(running[-1].proc.pid)
+                    item = self._start(index, task, slot, {r.port for r in running})
+                    item.behind = holding[slot][-1] if holding[slot] else None
+                    holding[slot].append(item)
+                    running.append(item)
+                    self.started[task.task_id] = str(item.proc.pid)
                     if on_start is not None:
                         on_start(task, slot)
                 for item in list(running):
+                    if self._lost(item):
+                        # handed ahead to a worker that ended before taking it: not an attempt
+                        running.remove(item)
+                        holding[item.slot].remove(item)
+                        queue.appendleft((item.index, item.task))
+                        continue
                     outcome = self._check(item)
                     if outcome is None:
                         if not item.released and self._released(item):
                             item.released = True
-                            free = sorted([*free, item.slot])
+                            holding[item.slot].remove(item)
                         continue
                     running.remove(item)
+                    item.ended = True
                     if not item.released:
-                        free = sorted([*free, item.slot])
+                        holding[item.slot].remove(item)
                     outcomes[item.index] = outcome
                     if on_done is not None:
                         on_done(outcome)
                 if on_poll is not None:
-                    on_poll([item.task for item in running], [task for _, task in queue])
+                    ahead = [item for item in running if not self._took(item)]
+                    on_poll(
+                        [item.task for item in running if item not in ahead],
+                        [*(item.task for item in ahead), *(task for _, task in queue)],
+                    )
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:
             _kill_groups([item.proc for item in running])
             raise
         return [outcomes[i] for i in range(len(tasks))]
+
+    ahead = 0
+    """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
+    task the moment it releases the current one, without waiting for this controller."""
+
+    def _next_slot(self, holding: list[list[_Running]], task: TaskSpec) -> int | None:
+        """The slot that takes ``task`` now: the lowest idle one, else (with :attr:`ahead`)
+        the lowest whose worker can queue it; None: it waits."""
+        for slot, held in enumerate(holding):
+            if not held:
+                return slot
+        for slot, held in enumerate(holding):
+            if len(held) <= self.ahead and self._queues(slot, task):
+                return slot
+        return None
+
+    def _queues(self, slot: int, task: TaskSpec) -> bool:
+        """Whether ``slot``'s worker can take ``task`` after the one it runs."""
+        return False
+
+    def _took(self, item: _Running) -> bool:
+        """Whether ``item`` has started: always, unless it was handed ahead and its worker
+        has not taken it yet."""
+        if item.behind is not None and not item.taken:
+            item.taken = (Path(item.task.task_dir) / "heartbeat").exists()
+        return item.behind is None or item.taken
+
+    def _lost(self, item: _Running) -> bool:
+        """Whether ``item``, handed ahead, can no longer start: its worker ended before
+        taking it (it goes back to the queue; it was no attempt)."""
+        return not self._took(item) and item.proc.poll() is not None
 
     def close(self) -> None:
         """Nothing outlives :meth:`run` here; a long-lived launcher stops its workers."""
@@ -358,8 +408,10 @@ class LocalLauncher:
         return None
 
     def _waiting(self, item: _Running) -> bool:
-        """Whether ``item`` waits for resources (a queued job); never for a local group."""
-        return False
+        """Whether ``item`` waits for resources (a queued job) or, handed ahead, for the task
+        before it on its worker to let go; its clocks start when it may run."""
+        ahead = item.behind
+        return not self._took(item) and not (ahead is None or ahead.released or ahead.ended)
 
     def _outcome(
         self,
@@ -423,6 +475,12 @@ class PersistentLauncher(LocalLauncher):
         self._workers: dict[int, _Worker] = {}
         for slot in range(self.slots):  # groups a crashed controller left behind
             self._end_orphan_worker(self._folder(slot))
+
+    ahead = 1
+
+    def _queues(self, slot: int, task: TaskSpec) -> bool:
+        worker = self._workers.get(slot)
+        return worker is not None and worker.proc.poll() is None and worker.nproc == task.nproc
 
     def _end_orphan_worker(self, folder: Path) -> None:
         kill_orphan(folder, names=folder)

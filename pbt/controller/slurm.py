@@ -379,7 +379,7 @@ class _SlurmBackend:
         return _Running(index, task, slot, 0, job, time.monotonic(), time.time())
 
     def _waiting(self, item) -> bool:
-        return item.proc.waiting
+        return super()._waiting(item) or item.proc.waiting
 
     def _check(self, item):
         outcome = super()._check(item)
