@@ -173,6 +173,31 @@ def keep_cpu_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def dequantized_base(path: str, quantization: QuantizationConfig):
+    """The full-precision base at ``path`` with every weight that ``quantization`` would make
+    4-bit replaced by its dequantized value: the weights a QLoRA adapter was trained on, so
+    merging the adapter into it gives the model that was trained. On the CPU."""
+    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.nn import Linear4bit
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb_config(quantization), device_map={"": "cpu"}
+    )
+    keep_cpu_layout(quantized)
+    with torch.no_grad():
+        weights = {
+            name: dequantize_4bit(m.weight.data, m.weight.quant_state).float()
+            for name, m in quantized.named_modules()
+            if isinstance(m, Linear4bit)
+        }
+    del quantized
+    base = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for name, weight in weights.items():
+            base.get_submodule(name).weight.copy_(weight)
+    return base
+
+
 def is_quantized(model) -> bool:
     """Whether ``model`` (or the model a peft wrapper holds) has 4-bit layers."""
     return bool(getattr(model, "is_loaded_in_4bit", False)) or any(

@@ -86,9 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     fsdp = {"defer_grad_sync": not args.no_defer} if args.fsdp else None
     timeout = 5.0 if args.hang_rank is not None else 600.0
-    member = Member(
-        manifest(fsdp, timeout, args.checkpointing, args.quantize), torch.device("cpu")
-    )
+    member = Member(manifest(fsdp, timeout, args.checkpointing, args.quantize), torch.device("cpu"))
     if args.hang_rank == world_info().rank:
         time.sleep(60)
     if args.load:
