@@ -249,6 +249,12 @@ def test_quantization_settings_are_checked(tmp_path):
     manifest = _manifest(tmp_path, {})  # every default
     assert manifest.model.quantization.quant_type == "nf4"
     assert _manifest(tmp_path, None).model.quantization is None
+    # what the memory estimate takes from it
+    from pbt.controller.memory import plan_from_manifest
+
+    plan = plan_from_manifest(_manifest(tmp_path, {"compute_dtype": "float32"}))
+    assert (plan.quantized, plan.double_quant, plan.compute_bytes) == (True, True, 4)
+    assert not plan_from_manifest(_manifest(tmp_path, None)).quantized
 
 
 def test_quantization_without_bitsandbytes_says_what_to_install(tmp_path, monkeypatch):
