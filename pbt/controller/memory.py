@@ -485,7 +485,8 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
     """Each knob that lowers the estimate of ``plan``, cheapest first, with the estimate it
     gives: a smaller micro-batch, activation checkpointing, activation offloading, fewer
     members per GPU, a smaller vLLM share, FSDP2 over twice the GPUs (when members have
-    ``gpus`` > 0), and every activation knob at once."""
+    ``gpus`` > 0), a 4-bit base (which, unlike the others, changes what is trained: the adapter
+    learns on the quantized weights), and every activation knob at once."""
 
     def knob(setting: str, **changes: object) -> Knob:
         return Knob(setting, estimate(shape, dataclasses.replace(plan, **changes), gpu_bytes))
@@ -519,6 +520,8 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
         if plan.engine == "static":  # a sharded model cannot be captured
             setting, sharded["engine"] = f"{setting}, rollout.engine: hf", "hf"
         knobs.append(knob(setting, **sharded))
+    if not plan.quantized and plan.engine != "vllm":  # vLLM would load its own unquantized copy
+        knobs.append(knob("model.quantization: {quant_type: nf4} (QLoRA)", quantized=True))
     if smaller and not (plan.checkpointing and plan.offloading):
         setting = "algorithm.micro_batch_size: 1 with both activation knobs"
         knobs.append(knob(setting, micro_batch=1, checkpointing=True, offloading=True))
