@@ -111,10 +111,11 @@ def load_base_model(cfg: ModelConfig, device: torch.device, base_dir: str | Path
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise model_load_error(cfg.name, path, "model", err) from None
-    model.to(device)
-    model.requires_grad_(False)
-    if cfg.quantization is not None:
+    if cfg.quantization is None:
+        model.to(device)
+    else:
         keep_cpu_layout(model)
+    model.requires_grad_(False)
     return model
 
 
