@@ -266,3 +266,81 @@ def test_quantization_without_bitsandbytes_says_what_to_install(tmp_path, monkey
         _manifest(tmp_path, {})
     with pytest.raises(ConfigError, match=r"bitsandbytes, which is not installed"):
         bnb_config(manifest.model.quantization)
+
+
+# -- the memory estimate and the bench --------------------------------------------------------
+
+
+def _bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import activation_memory
+
+    return activation_memory
+
+
+def test_the_bench_quantizes_what_model_quantization_loads():
+    """bench/activation_memory.py quantizes a model built in memory in place; the layers and
+    their 4-bit bytes are those ``model.quantization`` gives through ``from_pretrained``."""
+    from bitsandbytes.nn import Linear4bit
+
+    from pbt.algorithms.models import load_base_model
+    from pbt.config import ModelConfig, QuantizationConfig
+
+    loaded = load_base_model(ModelConfig(quantization=QuantizationConfig()), CPU)
+    built = load_base_model(ModelConfig(), CPU)
+    assert _bench().quantize_blocks(built, CPU) == 14
+    ours = {n: m for n, m in built.named_modules() if isinstance(m, Linear4bit)}
+    theirs = {n: m for n, m in loaded.named_modules() if isinstance(m, Linear4bit)}
+    assert ours.keys() == theirs.keys()
+    for name, module in ours.items():
+        packed = module.weight.data.view(torch.uint8)  # the bytes: as bfloat16 some are NaN
+        assert torch.equal(packed, theirs[name].weight.data.view(torch.uint8)), name
+        assert module.weight.quant_state.nested and module.weight.quant_type == "nf4"
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
+    """A 4-bit layer's matmul saves no activation of its own (its weight is frozen): on the
+    CPU, a block of a quantized base saves exactly what :func:`layer_bytes` says, as a plain
+    one does (tests/test_memory_estimate.py)."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from pbt.algorithms.models import add_lora
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.config import LoRAConfig
+    from pbt.controller.memory import Plan, adapter_params, layer_bytes
+    from pbt.controller.model_shape import shape_from_config
+
+    config = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+    def saved(layers: int) -> int:
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if autocast else torch.float32
+        qwen = Qwen2Config(num_hidden_layers=layers, **config)
+        base = AutoModelForCausalLM.from_config(qwen, dtype=dtype).requires_grad_(False)
+        _bench().quantize_blocks(base, CPU)
+        model = add_lora(base, LoRAConfig(r=8)).train()
+        ids = torch.randint(128, (2, 24))
+        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
+                             torch.ones(2, 16), ["", ""])  # fmt: skip
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if not isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            sequence_logprobs(model, batch, 1.0)
+        return sum(storages.values())
+
+    shape = shape_from_config({"model_type": "qwen2", "num_hidden_layers": 2, **config}, "t")
+    plan = Plan(weight_bytes=2 if autocast else 4, autocast=autocast, lora_r=8, quantized=True)
+    casts = 2 * adapter_params(shape, plan) // shape.layers if autocast else 0
+    assert saved(3) - saved(2) == layer_bytes(shape, plan) * 2 * 24 + casts

@@ -35,7 +35,8 @@ Qwen2.5 shapes, LoRA r 16 on every projection, prompt 64 + completion 448 tokens
 at 0.5B x 16 sequences, mixed precision, measured 14.3 GiB, estimated 14.3; 1.5B x 16: 28.7
 measured, 28.7 estimated; the 7B member under FSDP2 on 2 ranks (micro-batch 4): 22.3 measured,
 22.4 estimated (tests/test_memory_estimate.py keeps them within 3%). The activation term per
-layer is exact on the CPU, where the tests count what autograd saves. Members of the 0.5B shape
+layer is exact on the CPU, where the tests count what autograd saves (on a 4-bit base too:
+its matmuls save nothing of their own, tests/test_qlora.py). Members of the 0.5B shape
 at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB: the estimate
 gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
 and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
