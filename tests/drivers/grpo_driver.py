@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.member import Member, local_shard
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.config.loader import manifest_from_dict
 from pbt.distributed import CollectiveError, shutdown, world_info
@@ -108,7 +108,13 @@ def main() -> None:
             checkpointed = sum(
                 getattr(m, "pbt_checkpointed", False) for m in member.model.modules()
             )
-            out = {"losses": losses, "world_size": world.world_size, "checkpointed": checkpointed}
+            frozen = [local_shard(p) for p in member.model.parameters() if not p.requires_grad]
+            out = {
+                "losses": losses,
+                "world_size": world.world_size,
+                "checkpointed": checkpointed,
+                "base_bytes": sum(t.numel() * t.element_size() for t in frozen),
+            }
             json.dump(out, f)
     shutdown()
 
