@@ -199,13 +199,6 @@ def dequantized_base(path: str, quantization: QuantizationConfig):
     return base
 
 
-def is_quantized(model) -> bool:
-    """Whether ``model`` (or the model a peft wrapper holds) has 4-bit layers."""
-    return bool(getattr(model, "is_loaded_in_4bit", False)) or any(
-        type(m).__name__ == "Linear4bit" for m in model.modules()
-    )
-
-
 def lora_config(cfg: LoRAConfig) -> LoraConfig:
     """The peft ``LoraConfig`` for ``cfg``."""
     return LoraConfig(

@@ -103,6 +103,11 @@ def test_the_checkpoint_records_the_quantization_and_refuses_another(learned, tm
     _, _, _, tmp = learned
     attrs = load_checkpoint(tmp / "ckpt")
     assert attrs["quantization"] == {"load_in_4bit": True, **LEARN_QUANT}
+    from pbt.cli.checkpoints import inspect_text
+
+    assert '  base quantization: {"load_in_4bit": true, "quant_type": "fp4"' in inspect_text(
+        tmp / "ckpt"
+    )
     plain = Member(_manifest(tmp, None), CPU)
     with pytest.raises(CheckpointError) as err:
         plain.load(tmp / "ckpt")

@@ -34,6 +34,7 @@ def inspect_text(path: Path) -> str:
         f"  fitness history: {[round(f, 4) for f in attrs['fitness']]}",
         f"  hyperparameters: {json.dumps(attrs['hyperparameters'])}",
         f"  LoRA: {json.dumps(attrs['lora_config'])}",
+        f"  base quantization: {json.dumps(attrs.get('quantization'))}",
         f"  trainable tensors: {len(trainable)} ({params:,} parameters)",
     ]
     for name, tensor in list(trainable.items())[:6]:
