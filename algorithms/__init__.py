@@ -10,6 +10,13 @@ names, so ``import pbt.algorithms`` imports no torch and nothing in this package
 them (tests/test_layout.py holds this package's ``__getattr__`` to exactly that).
 """
 
+import logging
+
+# bitsandbytes (imported by peft whenever it is installed) warns on every import on a CPU with
+# AVX512-BF16 that its optimised 4-bit kernel needs the optional `kernels` package; the
+# fallback it then uses is what runs, so the line is noise in every member's log.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 HANDLES = (
     "GRPO", "CISPO", "GSPO", "LLMPPO", "LLMReinforce", "LLMREINFORCE", "REINFORCE", "PPO", "SFT",
     "DPO",

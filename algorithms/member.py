@@ -236,6 +236,7 @@ class Member:
         return {
             "algorithm": self.manifest.algorithm.name,
             "base_model": self.manifest.model.name,
+            "quantization": quantization_record(self.manifest),
             "lora_config": asdict(self.manifest.lora),
             "hyperparameters": self.learner.hyperparameters(),
             "mutation_ranges": {k: dict(v) for k, v in self.mutation_ranges.items()},
@@ -327,6 +328,7 @@ class Member:
             seed_everything(int(torch.randint(0, 2**31 - 1, (1,))) + self.world.rank)
 
     def _check_compatible(self, attrs: dict[str, Any], path: str | Path) -> None:
+        check_quantization(attrs, self.manifest, path)
         expected = {
             "algorithm": self.manifest.algorithm.name,
             "base_model": self.manifest.model.name,
@@ -338,6 +340,46 @@ class Member:
                     f"checkpoint {path} has {key} {attrs.get(key)!r} but this run uses {value!r}; "
                     "load it with the manifest it was trained with"
                 )
+
+
+def quantization_record(manifest: Manifest) -> dict[str, Any] | None:
+    """``model.quantization`` as ``attributes.pt`` records it (None: an unquantized base)."""
+    quant = manifest.model.quantization
+    return None if quant is None else asdict(quant)
+
+
+def describe_quantization(record: dict[str, Any] | None) -> str:
+    """A quantization record in words."""
+    if record is None:
+        return "an unquantized base"
+    double = ", double quantization" if record.get("double_quant") else ""
+    return (
+        f"a 4-bit {record.get('quant_type')} base (compute {record.get('compute_dtype')}, storage "
+        f"{record.get('storage_dtype')}{double})"
+    )
+
+
+def check_quantization(attrs: dict[str, Any], manifest: Manifest, path: str | Path) -> None:
+    """A checkpoint's adapter fits the base it was trained on: the same quantization (or none).
+
+    Raises:
+        CheckpointError: the checkpoint was trained on another quantization of the base.
+    """
+    saved, now = attrs.get("quantization"), quantization_record(manifest)
+    if saved == now:
+        return
+    if saved is None:
+        fix = "remove model.quantization to resume it"
+    else:
+        fields = ", ".join(
+            f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in saved.items()
+        )
+        fix = f"set model.quantization to {{{fields}}} to resume it"
+    raise CheckpointError(
+        f"checkpoint {path} was trained on {describe_quantization(saved)}, but this run loads "
+        f"{describe_quantization(now)}: the adapter learned to correct the weights it saw, so it "
+        f"would drift on others; {fix} (pbt export --merge turns it into a full model)"
+    )
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pbt.algorithms.builtin.tiny import tiny_model_dir
-from pbt.config import LoRAConfig, ModelConfig
+from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
 from pbt.config.errors import ConfigError
 from pbt.config.model import locate_model, model_load_error
 
@@ -102,13 +102,101 @@ def load_base_model(cfg: ModelConfig, device: torch.device, base_dir: str | Path
         PbtError: the hub could not be reached for it.
     """
     path = resolve_model_path(cfg.name, base_dir)
+    kwargs: dict = {"dtype": resolve_dtype(cfg.dtype, device)}
+    if cfg.quantization is not None:
+        # quantized as each weight is loaded, straight onto the device
+        kwargs["quantization_config"] = bnb_config(cfg.quantization)
+        kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype, device))
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise model_load_error(cfg.name, path, "model", err) from None
-    model.to(device)
+    if cfg.quantization is None:
+        model.to(device)
+    else:
+        keep_cpu_layout(model)
     model.requires_grad_(False)
     return model
+
+
+STORAGE_DTYPES = {**DTYPES, "uint8": torch.uint8}
+
+
+def require_bitsandbytes() -> None:
+    """Import bitsandbytes, or say how to get it.
+
+    Raises:
+        ConfigError: bitsandbytes is not installed, or cannot load on this machine.
+    """
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            [
+                "model.quantization needs bitsandbytes, which is not installed in this "
+                "environment; install the extra: pip install 'pbt-llm[quant]', or remove "
+                "model.quantization"
+            ]
+        ) from None
+    except Exception as err:  # a native library that cannot load here
+        raise ConfigError(
+            [
+                f"model.quantization needs bitsandbytes, which could not load on this machine "
+                f"({type(err).__name__}: {err}); reinstall pbt-llm[quant] for this platform, or "
+                "remove model.quantization"
+            ]
+        ) from None
+
+
+def bnb_config(cfg: QuantizationConfig):
+    """transformers' ``BitsAndBytesConfig`` for ``model.quantization``."""
+    require_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant_type,
+        bnb_4bit_compute_dtype=DTYPES[cfg.compute_dtype],
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_quant_storage=STORAGE_DTYPES[cfg.storage_dtype],
+    )
+
+
+def keep_cpu_layout(model) -> None:
+    """Keep every 4-bit layer in bitsandbytes' portable layout: on a CPU with AVX512-BF16 an
+    inference forward would otherwise repack the weights in place (and drop the double
+    quantization), so evaluation would change what training and checkpoints see, and a sharded
+    weight would no longer match its shards."""
+    from bitsandbytes.nn import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def dequantized_base(path: str, quantization: QuantizationConfig):
+    """The full-precision base at ``path`` with every weight that ``quantization`` would make
+    4-bit replaced by its dequantized value: the weights a QLoRA adapter was trained on, so
+    merging the adapter into it gives the model that was trained. On the CPU."""
+    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.nn import Linear4bit
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb_config(quantization), device_map={"": "cpu"}
+    )
+    keep_cpu_layout(quantized)
+    with torch.no_grad():
+        weights = {
+            name: dequantize_4bit(m.weight.data, m.weight.quant_state).float()
+            for name, m in quantized.named_modules()
+            if isinstance(m, Linear4bit)
+        }
+    del quantized
+    base = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for name, weight in weights.items():
+            base.get_submodule(name).weight.copy_(weight)
+    return base
 
 
 def lora_config(cfg: LoRAConfig) -> LoraConfig:

@@ -1,15 +1,21 @@
-"""Activation checkpointing and offloading on the train step: peak memory, tokens/s, exactness,
-and what ``pbt estimate-memory`` predicts for the same step.
+"""Activation checkpointing, activation offloading and QLoRA on the train step: peak memory,
+tokens/s, exactness, and what ``pbt estimate-memory`` predicts for the same step.
 
     python bench/activation_memory.py                      # CPU, the "wide" 13M shape
+    python bench/activation_memory.py --shape tiny --modes all   # CPU dry run of every mode
     python bench/activation_memory.py --shape 0.5b --device cuda --batch 16 --completion 448
-    python bench/activation_memory.py --shape 1.5b --device cuda --batch 4 --completion 4032
+    python bench/activation_memory.py --shape 7b --device cuda --batch 4 --completion 4032 \
+        --modes all
 
 Each mode builds the model afresh from the same seed (random weights of a Qwen2.5 shape, bf16 on
 CUDA, LoRA r 16 on every projection, mixed precision) and takes policy-gradient steps on one
 batch of random tokens (as ``bench/train_step.py``): the lean log-probs, ``-(logp *
-advantage)`` averaged over tokens, backward, AdamW. Modes: plain, ``activation_checkpointing``,
-``activation_offloading`` (its hooks run on the CPU too, host to host), and both.
+advantage)`` averaged over tokens, backward, AdamW. Knobs: ``activation_checkpointing``,
+``activation_offloading`` (its hooks run on the CPU too, host to host) and ``qlora`` (the
+blocks' projections quantized in place by bitsandbytes, as ``model.quantization`` loads them:
+nf4, bfloat16 compute and storage, double quantization). Modes: ``plain``, each knob alone,
+and together (``both`` is the two activation knobs; ``qlora+...`` adds the 4-bit base);
+``--modes all`` runs all eight. bitsandbytes is needed for the qlora modes only.
 
 Printed per mode: tokens/s (mean of ``--steps`` after 2 warm-ups), the CUDA allocator's peak
 over those steps, the estimate of :mod:`pbt.controller.memory` for the same shape and batch,
@@ -26,14 +32,45 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import SHAPES
+from train_step import SHAPES as STEP_SHAPES
 
-MODES = {
-    "plain": (False, False),
-    "activation_checkpointing": (True, False),
-    "activation_offloading": (False, True),
-    "both": (True, True),
+SHAPES = {
+    **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
+    # Qwen2.5-7B's shape: untied output layer, 152,064-token vocabulary
+    "7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    # the built-in model's shape: a dry run of every mode in seconds on a CPU
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
 }
+
+MODES = {  # (checkpointing, offloading, qlora)
+    "plain": (False, False, False),
+    "activation_checkpointing": (True, False, False),
+    "activation_offloading": (False, True, False),
+    "both": (True, True, False),
+    "qlora": (False, False, True),
+    "qlora+activation_checkpointing": (True, False, True),
+    "qlora+activation_offloading": (False, True, True),
+    "qlora+both": (True, True, True),
+}
+QLORA = {"quant_type": "nf4", "compute_dtype": "bfloat16", "double_quant": True}
 
 
 def main() -> None:
@@ -44,14 +81,19 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--completion", type=int, default=192)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES)[:4], choices=[*MODES, "all"],
+        help="which modes to run (default: plain and the activation knobs; all: every mode)",
+    )  # fmt: skip
     args = parser.parse_args()
+    modes = list(MODES) if "all" in args.modes else args.modes
 
-    results = {name: run_mode(args, *MODES[name]) for name in args.modes}
+    results = {name: run_mode(args, *MODES[name]) for name in modes}
     plain = results.get("plain")
     print(
         f"\n{args.shape} shape on {args.device}, LoRA r 16 on every projection, "
         f"{args.batch} x ({args.prompt} + {args.completion}) tokens, mean of {args.steps} steps"
+        + ("" if args.device == "cuda" else "; peak memory is measured on CUDA only")
     )
     print(
         "\n| mode | tok/s | x plain | peak GiB | estimate GiB | offloaded GiB | max dlogp | max dgrad |"
@@ -64,15 +106,60 @@ def main() -> None:
             ((r["grads"][k] - g).abs().max().item() for k, g in plain["grads"].items()), default=0.0
         ) if plain else float("nan")  # fmt: skip
         print(
-            f"| {name} | {r['tok_s']:,.0f} | {ratio:.2f} | {r['peak']:.2f} | {r['estimate']:.2f} "
+            f"| {name} | {r['tok_s']:,.0f} | {ratio:.2f} | {r['peak']:.3f} | {r['estimate']:.3f} "
             f"| {r['offloaded']:.2f} | {gap_logp:.1e} | {gap_grad:.1e} |"
         )
 
 
-def run_mode(args: argparse.Namespace, checkpointing: bool, offloading: bool) -> dict:
+def model_config(shape: str):
+    """The Qwen2 config of ``shape``."""
+    from transformers import Qwen2Config
+
+    fields = {"vocab_size": 1024, "tie_word_embeddings": True, **SHAPES[shape]}
+    return Qwen2Config(max_position_embeddings=8192, **fields)
+
+
+def quantize_blocks(base, device) -> int:
+    """Replace every linear layer of ``base``'s blocks by a bitsandbytes 4-bit layer holding
+    its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
+    embeddings and the output layer stay as they are); returns how many. One layer at a time,
+    so the unquantized copy of a whole model is never held twice."""
+    import bitsandbytes as bnb
+    import torch
+
+    from pbt.algorithms.models import keep_cpu_layout
+    from pbt.distributed.fsdp import transformer_blocks
+
+    count = 0
+    for block in transformer_blocks(base):
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                layer = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16, compress_statistics=QLORA["double_quant"],
+                    quant_type=QLORA["quant_type"], quant_storage=torch.bfloat16, device="meta",
+                )  # fmt: skip
+                layer.weight = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False,
+                    compress_statistics=QLORA["double_quant"], quant_type=QLORA["quant_type"],
+                    quant_storage=torch.bfloat16, module=layer,
+                )  # fmt: skip
+                if child.bias is not None:
+                    layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, layer.to(device))  # quantizes the weight
+                count += 1
+    keep_cpu_layout(base)
+    return count
+
+
+def run_mode(
+    args: argparse.Namespace, checkpointing: bool, offloading: bool, qlora: bool = False
+) -> dict:
     """Build the model with the knobs and time ``args.steps`` training steps."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from pbt.algorithms.activations import ActivationOffload, checkpoint_blocks
     from pbt.algorithms.models import add_lora, quiet_transformers, set_mixed_precision
@@ -83,11 +170,12 @@ def run_mode(args: argparse.Namespace, checkpointing: bool, offloading: bool) ->
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     torch.manual_seed(0)
-    fields = {"vocab_size": 1024, "tie_word_embeddings": True, **SHAPES[args.shape]}
-    config = Qwen2Config(max_position_embeddings=8192, **fields)
+    config = model_config(args.shape)
     with device:
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else None)
     base.requires_grad_(False)
+    if qlora:
+        quantize_blocks(base, device)
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     set_mixed_precision(model, True)
     if checkpointing:
@@ -127,7 +215,7 @@ def run_mode(args: argparse.Namespace, checkpointing: bool, offloading: bool) ->
     step(record=True)
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # the build's unquantized weights are not counted
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -138,14 +226,17 @@ def run_mode(args: argparse.Namespace, checkpointing: bool, offloading: bool) ->
     return {
         "tok_s": n * (p_len + c_len) / elapsed,
         "peak": peak,
-        "estimate": _estimate(config, args, checkpointing, offloading) if cuda else float("nan"),
+        "estimate": bench_estimate(config, args, checkpointing, offloading, qlora),
         "offloaded": (offload.offloaded_bytes / 2**30) if offload else 0.0,
         **seen,
     }
 
 
-def _estimate(config, args: argparse.Namespace, checkpointing: bool, offloading: bool) -> float:
-    """The estimate's training peak for this step (no rollout), in GiB."""
+def bench_estimate(
+    config, args: argparse.Namespace, checkpointing: bool, offloading: bool, qlora: bool = False
+) -> float:
+    """The estimate's training peak for this step (no rollout) on CUDA, in GiB: bf16 weights,
+    mixed precision, LoRA r 16 on every projection, ``args.batch`` sequences a forward."""
     from pbt.controller.memory import GIB, Plan, estimate
     from pbt.controller.model_shape import shape_from_config
 
@@ -157,6 +248,8 @@ def _estimate(config, args: argparse.Namespace, checkpointing: bool, offloading:
         lora_r=16,
         checkpointing=checkpointing,
         offloading=offloading,
+        quantized=qlora,
+        double_quant=QLORA["double_quant"],
     )
     return estimate(shape, plan).peak / GIB
 

@@ -73,24 +73,67 @@ def test_the_arithmetic_of_a_hand_computed_case():
 
 
 def test_the_activation_knobs_on_the_hand_computed_case(monkeypatch: pytest.MonkeyPatch):
-    outside = 16 * 6 * 8
+    """What stays held at the start of backward, and a block's backward working set counted
+    only beyond the logits (5,120 bytes here) it follows."""
+    outside, layer, block_input, logits = 16 * 6 * 8, 16 * 380, 16 * 16, 5120
     checkpointed = estimate(SMALL, dataclasses.replace(SMALL_PLAN, checkpointing=True))
-    # each layer's input (8 x 2 bytes per token), and one block recomputed
-    assert _term(checkpointed.training, "activations") == 2 * 16 * 16 + 16 * 380 + outside
+    # each layer's input (8 x 2 bytes per token); one block recomputed after the logits
+    assert _term(checkpointed.training, "activations") == 2 * block_input + outside
+    assert _term(checkpointed.training, "backward working set") == layer - logits
     offloaded = estimate(SMALL, dataclasses.replace(SMALL_PLAN, offloading=True))
-    # two layers' worth is all there is: the device holds what plain training holds
-    assert _term(offloaded.training, "activations") == 2 * 16 * 380 + outside
-    assert _term(offloaded.host, "offloaded activations") == 2 * 16 * 380 + outside
-    # deeper, with a prefetch of 1000 bytes: two layers and the prefetch stay on the device
+    # the head's input and the latest block in flight, then one block back: with two layers
+    # the device never holds more than plain training's activations
+    assert _term(offloaded.training, "activations") == 16 * 2 * 8 + layer
+    assert _training(offloaded) == 2 * layer + outside
+    assert _term(offloaded.host, "offloaded activations") == 2 * layer + outside
+    # deeper, with a prefetch of 1000 bytes: one block back and the prefetch in backward
     monkeypatch.setattr(memory, "OFFLOAD_PREFETCH_BYTES", 1000)
     deep = dataclasses.replace(SMALL, layers=40)
     offloaded = estimate(deep, dataclasses.replace(SMALL_PLAN, offloading=True))
-    assert _term(offloaded.training, "activations") == 2 * 16 * 380 + 1000
-    assert _term(offloaded.host, "offloaded activations") == 40 * 16 * 380 + outside
+    assert _term(offloaded.training, "activations") == 16 * 2 * 8 + layer
+    assert _term(offloaded.training, "backward working set") == layer + 1000 - logits
+    assert _term(offloaded.host, "offloaded activations") == 40 * layer + outside
     both = estimate(deep, dataclasses.replace(SMALL_PLAN, offloading=True, checkpointing=True))
-    # one block recomputed, two block inputs in flight, the prefetch; every input on the host
-    assert _term(both.training, "activations") == 16 * 380 + 2 * 16 * 16 + 1000
-    assert _term(both.host, "offloaded block inputs") == 40 * 16 * 16 + outside
+    # the head's input and one block input in flight; one block recomputed from its input
+    # brought back, and the prefetch; every input on the host
+    assert _term(both.training, "activations") == 16 * 2 * 8 + block_input
+    assert _term(both.training, "backward working set") == layer + block_input + 1000 - logits
+    assert _term(both.host, "offloaded block inputs") == 40 * block_input + outside
+    # a working set smaller than the logits adds nothing
+    wide = dataclasses.replace(SMALL, vocab=3200)
+    small = estimate(wide, dataclasses.replace(SMALL_PLAN, checkpointing=True))
+    assert not [t for t in small.training if t.name == "backward working set"]
+
+
+def _training(result) -> float:
+    return sum(t.bytes for t in result.training)
+
+
+def test_the_quantized_base_terms():
+    """QLoRA: the blocks' projections at half a byte a weight plus their constants (a float32
+    absmax per 64 weights; double-quantized, one byte per 64 and a float32 per 256 of those),
+    the rest at the weight's bytes; one block's projections dequantized in flight."""
+    matrices = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 128)  # 2 layers of the SMALL shape
+    plan = dataclasses.replace(SMALL_PLAN, quantized=True, double_quant=False)
+    result = estimate(SMALL, plan)
+    rest = 1736 - matrices
+    assert _term(result.persistent, "base weights") == matrices * (0.5 + 4 / 64) + rest * 2
+    assert _term(result.training, "dequantized weights in flight") == matrices // 2 * 2
+    double = estimate(SMALL, dataclasses.replace(plan, double_quant=True))
+    per = 0.5 + (1 + 4 / 256) / 64
+    assert _term(double.persistent, "base weights") == pytest.approx(matrices * per + rest * 2)
+    # a 7B base: 6.5B projection weights at 0.516 bytes, 1.1B embedding and output weights at 2
+    seven = Plan(micro_batch=1, lora_r=16)
+    bf16 = _term(estimate(QWEN_7B, seven).persistent, "base weights")
+    nf4 = _term(estimate(QWEN_7B, dataclasses.replace(seven, quantized=True)).persistent,
+                "base weights")  # fmt: skip
+    assert bf16 / GIB == pytest.approx(14.19, abs=0.01)
+    assert nf4 / GIB == pytest.approx(5.17, abs=0.01)
+    # sharded: the 4-bit blocks gathered two at a time
+    sharded = dataclasses.replace(plan, fsdp=True, ranks=2, autocast=False)
+    gathered = _term(estimate(SMALL, sharded).training, "FSDP2 gathered weights")
+    block = matrices // 2 * (0.5 + 4 / 64) + (608 - matrices // 2) * 2
+    assert gathered == 2 * block + 32 * 8 * 2
 
 
 def test_rollout_and_sharing_terms():
@@ -191,6 +234,31 @@ def test_agrees_with_the_measured_h200_peaks(shape, plan, measured):
     first-principles terms, within 3%; the issue's own accuracy goal is 15%."""
     plan = dataclasses.replace(plan, lora_r=16, prompt_tokens=64, completion_tokens=448)
     assert estimate(shape, plan).peak / GIB == pytest.approx(measured, rel=0.03)
+
+
+ACTIVATION_ROWS = {
+    (False, False): 25.58,
+    (True, False): 3.86,
+    (False, True): 3.85,
+    (True, True): 3.14,
+}
+"""bench/RESULTS.md's activation knobs on the H200 (measured peaks, GiB): (checkpointing,
+offloading) -> peak."""
+
+
+@pytest.mark.parametrize(("knobs", "measured"), list(ACTIVATION_ROWS.items()))
+def test_the_activation_knobs_agree_with_the_h200(knobs: tuple[bool, bool], measured: float):
+    """The bench's exact workload (bench/activation_memory.py --shape 0.5b --batch 4
+    --completion 4032: 4 x (64 + 4,032) tokens, LoRA r 16, mixed precision), through the
+    bench's own estimate, within 15% of each measured peak."""
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import activation_memory as bench
+
+    args = argparse.Namespace(shape="0.5b", batch=4, prompt=64, completion=4032)
+    estimated = bench.bench_estimate(bench.model_config("0.5b"), args, *knobs)
+    assert estimated == pytest.approx(measured, rel=0.15)
 
 
 def test_the_knobs_that_make_a_member_fit():

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+from pbt.config import QuantizationConfig
 from pbt.config.errors import PbtError
 
 
@@ -33,6 +34,7 @@ def inspect_text(path: Path) -> str:
         f"  fitness history: {[round(f, 4) for f in attrs['fitness']]}",
         f"  hyperparameters: {json.dumps(attrs['hyperparameters'])}",
         f"  LoRA: {json.dumps(attrs['lora_config'])}",
+        f"  base quantization: {json.dumps(attrs.get('quantization'))}",
         f"  trainable tensors: {len(trainable)} ({params:,} parameters)",
     ]
     for name, tensor in list(trainable.items())[:6]:
@@ -48,10 +50,14 @@ def inspect_text(path: Path) -> str:
 def export(path: Path, out: Path, merge: bool = False) -> Path:
     """Write the checkpoint's adapter as a plain PEFT folder, or merged into its base model.
 
+    An adapter trained on a 4-bit base (``model.quantization``, recorded in ``attributes.pt``)
+    merges into the dequantized base: the full-precision model whose quantized weights are
+    replaced by what the adapter saw in training.
+
     Raises:
         PbtError: ``out`` exists, or the checkpoint fails verification.
     """
-    from pbt.algorithms.checkpoint import ADAPTER_DIR, verify_checkpoint
+    from pbt.algorithms.checkpoint import ADAPTER_DIR, load_checkpoint, verify_checkpoint
 
     if out.exists():
         raise PbtError(f"{out} already exists; choose a new output folder")
@@ -64,7 +70,13 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
 
     config = json.loads((path / ADAPTER_DIR / "adapter_config.json").read_text())
     base_path = config["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_path)
+    quantization = load_checkpoint(path).get("quantization")
+    if quantization is not None:
+        from pbt.algorithms.models import dequantized_base
+
+        base = dequantized_base(base_path, QuantizationConfig(**quantization))
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_path)
     merged = PeftModel.from_pretrained(base, path / ADAPTER_DIR).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(base_path).save_pretrained(out)

@@ -125,7 +125,8 @@ def _header(manifest: Manifest, shape: ModelShape, plan: Plan) -> list[str]:
     adapted = len([p for p in plan.adapted if p != "lm_head"])
     lines = [
         f"model {manifest.model.name}: {shape.layers} layers, hidden {shape.hidden}, "
-        f"{count_text(shape.params())} parameters, {plan.weight_bytes}-byte weights",
+        f"{count_text(shape.params())} parameters, {plan.weight_bytes}-byte weights"
+        + (" (the blocks' projections 4-bit: model.quantization)" if plan.quantized else ""),
         f"each rank: {plan.micro_batch * plan.per_example} sequences per training forward x "
         f"({plan.prompt_tokens} prompt (--prompt-tokens) + {plan.completion_tokens} completion "
         f"tokens); {plan.rollouts} sequences decoded at once ({plan.engine}); LoRA r "

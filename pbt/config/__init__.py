@@ -25,7 +25,7 @@ from pbt.config.errors import CheckpointError, ConfigError, PbtError
 from pbt.config.fsdp import FSDP_FIELDS, FSDPConfig
 from pbt.config.loader import load_manifest, manifest_from_dict
 from pbt.config.manifest import SECTIONS, Manifest
-from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig
+from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, QuantizationConfig
 from pbt.config.ranges import HPRange
 from pbt.config.rollout import VLLM_FIELDS, RolloutConfig, VLLMConfig
 from pbt.config.task import BUILTIN_TASKS, RewardRef, TaskConfig
@@ -55,6 +55,7 @@ __all__ = [
     "OptimConfig",
     "PbtError",
     "PopulationConfig",
+    "QuantizationConfig",
     "RewardRef",
     "RolloutConfig",
     "SearchConfig",

@@ -211,6 +211,9 @@ def _coerce(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool,
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return True, None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(sections) == 1:  # a section that may be null
+            return _coerce(value, sections[0], key, problems)
         for arg in (a for a in args if a is not type(None)):
             scratch: list[str] = []
             ok, converted = _coerce(value, arg, key, scratch)

@@ -81,6 +81,7 @@ class Manifest:
                 f"{', '.join(RL_ALGORITHMS)}"
             )
         problems += self._check_model()
+        problems += self._check_quantization()
         problems += self._check_files()
         if self.training.compile and fsdp:
             problems.append(
@@ -118,6 +119,33 @@ class Manifest:
             return []  # reported by the model section
         problem = locate_model(self.model.name, self.base_dir).problem
         return [problem] if problem else []
+
+    def _check_quantization(self) -> list[str]:
+        """A quantized base against the rest of the run: sharding, rollouts, installation."""
+        quant = self.model.quantization
+        if quant is None:
+            return []
+        problems: list[str] = []
+        if self.distributed.fsdp and quant.storage_dtype != "bfloat16":
+            problems.append(
+                f"model.quantization.storage_dtype ({quant.storage_dtype!r}) must be 'bfloat16' "
+                "with distributed.fsdp: FSDP2 shards the packed 4-bit weights as a float tensor "
+                "and gathers them in bfloat16, which would change any other storage's bytes; "
+                "set storage_dtype: bfloat16"
+            )
+        if self.rollout.engine == "vllm":
+            problems.append(
+                "model.quantization is set but rollout.engine is 'vllm', whose engine would load "
+                "its own unquantized copy of the base; use engine: hf or static with a "
+                "quantized base, or remove model.quantization"
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            problems.append(
+                "model.quantization needs bitsandbytes, which is not installed in this "
+                "environment; install the extra: pip install 'pbt-llm[quant]', or remove "
+                "model.quantization"
+            )
+        return problems
 
     def _check_files(self) -> list[str]:
         """The task's data and reward files exist where the manifest says, and each reward

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,9 @@ from pbt.config.errors import ConfigError, PbtError
 from pbt.config.rules import positive
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+QuantType = Literal["nf4", "fp4"]
+ComputeDtype = Literal["bfloat16", "float16", "float32"]
+StorageDtype = Literal["bfloat16", "float16", "float32", "uint8"]
 BUILTIN_MODEL = "builtin:tiny"
 """The one built-in model: built locally, needs no download."""
 BUILTIN_MODEL_ARCHITECTURE: dict[str, object] = {
@@ -150,6 +154,48 @@ def _chain(err: BaseException | None) -> list[BaseException]:
 
 
 @dataclass(kw_only=True, slots=True)
+class QuantizationConfig:
+    """QLoRA: the frozen base loaded in 4 bits by bitsandbytes (``BitsAndBytesConfig``), the
+    adapter trained in full precision on top. Needs ``pip install 'pbt-llm[quant]'``."""
+
+    load_in_4bit: bool = True
+    """4-bit weights (``load_in_4bit``); the only quantization there is."""
+    quant_type: QuantType = "nf4"
+    """``nf4`` (normal float, the QLoRA default) or ``fp4`` (``bnb_4bit_quant_type``)."""
+    compute_dtype: ComputeDtype = "bfloat16"
+    """The dtype a quantized layer dequantizes its weight to for each matmul
+    (``bnb_4bit_compute_dtype``)."""
+    double_quant: bool = True
+    """Quantize the quantization constants too: about 0.37 bits a weight less
+    (``bnb_4bit_use_double_quant``)."""
+    storage_dtype: StorageDtype = "bfloat16"
+    """The dtype the packed 4-bit weights are stored as (``bnb_4bit_quant_storage``); a float
+    dtype lets FSDP2 shard them like any weight (two 4-bit values a byte either way)."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems: list[str] = []
+        if self.load_in_4bit is not True:
+            problems.append(
+                f"{prefix}.load_in_4bit ({self.load_in_4bit!r}) must be true: 4-bit is the only "
+                "quantization; remove the quantization section (or set it to null) to train "
+                "on the unquantized base"
+            )
+        for key, allowed in (
+            ("quant_type", QuantType),
+            ("compute_dtype", ComputeDtype),
+            ("storage_dtype", StorageDtype),
+        ):
+            value, choices = getattr(self, key), typing.get_args(allowed)
+            if value not in choices:
+                problems.append(
+                    f"{prefix}.{key} ({value!r}) must be one of {', '.join(map(repr, choices))}"
+                )
+        if not isinstance(self.double_quant, bool):
+            problems.append(f"{prefix}.double_quant ({self.double_quant!r}) must be true or false")
+        return problems
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The base model every member fine-tunes."""
 
@@ -163,6 +209,8 @@ class ModelConfig:
     """The padding token; default the tokenizer's own, else its EOS token."""
     pad_token_id: int | None = None
     """Checked against the tokenizer: the id ``pad_token`` (or the default) must have."""
+    quantization: QuantizationConfig | None = None
+    """Load the frozen base in 4 bits (QLoRA); None trains on the base as ``dtype`` says."""
 
     def check(self, prefix: str) -> list[str]:
         problems: list[str] = []
@@ -172,6 +220,8 @@ class ModelConfig:
             )
         if self.pad_token_id is not None and self.pad_token_id < 0:
             problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
+        if self.quantization is not None:
+            problems += self.quantization.check(f"{prefix}.quantization")
         return problems
 
 

@@ -6,16 +6,22 @@ The arithmetic, first principles, for a Llama-style decoder (Qwen2/2.5/3, Llama,
 grouped-query attention through SDPA, a gated MLP), LoRA on its projections, on CUDA:
 
 - **Persistent**: base weights (``model.dtype``; ``auto`` is bfloat16 on CUDA), divided by the
-  ranks under FSDP2; the adapter (PPO: two, and a value head) in float32 with its gradients and
-  AdamW's two moments (16 bytes a parameter, 8 when FSDP2 keeps the moments on the host), plus a
-  half-precision copy each pass uses; the static decoder's KV cache, which it keeps.
+  ranks under FSDP2 (with ``model.quantization``, the blocks' projections in 4 bits plus their
+  quantization constants, see :func:`quantized_bytes_per_weight`); the adapter (PPO: two, and a
+  value head) in float32 with its gradients and AdamW's two moments (16 bytes a parameter, 8
+  when FSDP2 keeps the moments on the host), plus a half-precision copy each pass uses; the
+  static decoder's KV cache, which it keeps.
 - **Training** (at the start of backward, where every saved activation is still held):
   activations per token per layer, from what autograd saves (counted on the CPU with
   ``saved_tensors_hooks``; see :func:`layer_bytes`) times ``micro_batch x (prompt +
   max_output_tokens)`` tokens times layers; the lean log-prob path's logits, about
   :data:`LOGIT_COPIES` float32 copies of one chunk of at most :data:`LOGIT_CHUNK_BYTES` (the
   full ``[N, T, V]`` logits where the lean path does not apply); under FSDP2 two blocks and the
-  output layer gathered at once.
+  output layer gathered at once; a 4-bit base's weights of one block dequantized in flight.
+  With activation checkpointing or offloading, the saved activations shrink to what stays on
+  the device, and a block's backward working set (recomputed, or brought back from the host)
+  counts only where it exceeds the logits: the output layer's backward, where the logits
+  live, ends before the first block's begins.
 - **Rollout**: the KV cache of ``prompts_per_step x group_size / ranks`` sequences of prompt +
   completion (``generate``'s grows to it; the static decoder's is persistent, rounded up to
   :data:`STATIC_LENGTH_BUCKET`), or vLLM's ``gpu_memory_utilization`` share of the GPU (only
@@ -29,16 +35,19 @@ Qwen2.5 shapes, LoRA r 16 on every projection, prompt 64 + completion 448 tokens
 at 0.5B x 16 sequences, mixed precision, measured 14.3 GiB, estimated 14.3; 1.5B x 16: 28.7
 measured, 28.7 estimated; the 7B member under FSDP2 on 2 ranks (micro-batch 4): 22.3 measured,
 22.4 estimated (tests/test_memory_estimate.py keeps them within 3%). The activation term per
-layer is exact on the CPU, where the tests count what autograd saves. Members of the 0.5B shape
+layer is exact on the CPU, where the tests count what autograd saves (on a 4-bit base too:
+its matmuls save nothing of their own, tests/test_qlora.py). Members of the 0.5B shape
 at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB: the estimate
 gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
 and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
 
-Not measured on a GPU yet: the activation knobs' terms (checkpointing: every block's input and
-one block recomputed; offloading: two layers' worth and the prefetch), written from what each
-keeps. Not modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB
-measured at 0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts
-blocks, the allocator's fragmentation, and transient buffers of a rollout's prefill.
+The activation knobs against the H200 (``bench/activation_memory.py``, 0.5B shape, 4 x (64 +
+4,032) tokens; tests/test_memory_estimate.py feeds the estimate that workload): checkpointing
+3.86 GiB measured, 3.81 estimated; offloading 3.85 and 4.03; both 3.14 and 3.12. Not measured
+on a GPU yet: the 4-bit base's terms (written from bitsandbytes' storage format). Not
+modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB measured at
+0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts blocks, the
+allocator's fragmentation, and transient buffers of a rollout's prefill.
 """
 
 from __future__ import annotations
@@ -69,6 +78,10 @@ OFFLOAD_PREFETCH_BYTES = 2**28
 """Offloaded activations prefetched ahead of backward (``pbt.algorithms.activations``)."""
 EVAL_BATCH = 64
 """Prompts decoded at once in evaluation (per rank)."""
+QUANT_BLOCK = 64
+"""Weights per absmax constant of bitsandbytes' 4-bit quantization."""
+DOUBLE_QUANT_BLOCK = 256
+"""Absmax constants per float32 second-level constant under double quantization."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +121,11 @@ class Plan:
     """Adapters trained (PPO's critic is a second one)."""
     per_example: int = 1
     """Sequences per example in a forward (DPO: the chosen and the rejected reply)."""
+    quantized: bool = False
+    """``model.quantization``: the blocks' projections are 4-bit (QLoRA)."""
+    double_quant: bool = True
+    compute_bytes: int = 2
+    """Bytes of the dtype a 4-bit layer dequantizes its weight to (``compute_dtype``)."""
 
     @property
     def sequence(self) -> int:
@@ -124,6 +142,7 @@ def plan_from_manifest(manifest: Manifest, prompt_tokens: int = DEFAULT_PROMPT_T
     micro = min(algo.micro_batch_size or mini, mini)
     rl = algo.name in RL_ALGORITHMS
     vllm = manifest.rollout.vllm
+    quant = manifest.model.quantization
     return Plan(
         ranks=ranks,
         fsdp=fsdp is not None,
@@ -146,6 +165,9 @@ def plan_from_manifest(manifest: Manifest, prompt_tokens: int = DEFAULT_PROMPT_T
         adapted=_adapted(manifest.lora.target_modules),
         adapters=2 if algo.name == "PPO" else 1,
         per_example=2 if algo.name == "DPO" else 1,
+        quantized=quant is not None,
+        double_quant=quant is None or quant.double_quant,
+        compute_bytes=4 if quant is not None and quant.compute_dtype == "float32" else 2,
     )
 
 
@@ -243,12 +265,48 @@ def adapter_params(shape: ModelShape, plan: Plan) -> int:
     return plan.adapters * (shape.layers * per_layer + head) + value_head
 
 
+def quantized_params(shape: ModelShape, plan: Plan) -> int:
+    """Weights a 4-bit base stores in 4 bits: every block's projections (bitsandbytes leaves
+    the embeddings, the output layer, the norms and the biases as they are)."""
+    if not plan.quantized:
+        return 0
+    return shape.layers * sum(a * b for a, b in shape.projections().values())
+
+
+def quantized_bytes_per_weight(plan: Plan) -> float:
+    """Half a byte a weight, plus its share of the quantization constants: a float32 absmax
+    per :data:`QUANT_BLOCK` weights, or, double-quantized, an 8-bit absmax and a float32
+    constant per :data:`DOUBLE_QUANT_BLOCK` of those."""
+    if plan.double_quant:
+        return 0.5 + (1 + 4 / DOUBLE_QUANT_BLOCK) / QUANT_BLOCK
+    return 0.5 + 4 / QUANT_BLOCK
+
+
+def base_weight_bytes(shape: ModelShape, plan: Plan) -> float:
+    """Bytes of the whole base: 4-bit projections (QLoRA) and the rest at ``weight_bytes``."""
+    quantized = quantized_params(shape, plan)
+    rest = shape.params() - quantized
+    return quantized * quantized_bytes_per_weight(plan) + rest * plan.weight_bytes
+
+
+def _dequantized_in_flight(shape: ModelShape, plan: Plan) -> list[Term]:
+    """A 4-bit layer dequantizes its weight for each matmul (forward and backward): one
+    block's projections in the compute dtype at most, freed as each matmul ends."""
+    if not plan.quantized:
+        return []
+    block = sum(a * b for a, b in shape.projections().values())
+    how = f"one block's projections ({count_text(block)}) x {plan.compute_bytes} bytes"
+    return [Term("dequantized weights in flight", block * plan.compute_bytes, how)]
+
+
 def estimate(shape: ModelShape, plan: Plan, gpu_bytes: float = DEFAULT_GPU_GIB * GIB) -> Estimate:
     """The memory of one rank of a member of ``plan`` on a GPU of ``gpu_bytes`` (which only
     vLLM's share depends on)."""
     vllm = plan.vllm_share * gpu_bytes
     persistent = [*_persistent(shape, plan), *_static_cache(shape, plan)]
     rollout = _rollout(shape, plan)
+    if rollout:
+        rollout += _dequantized_in_flight(shape, plan)
     if vllm and plan.vllm_sleeps:
         rollout.append(
             Term("vLLM engine", vllm, f"{plan.vllm_share:g} of the GPU, asleep in training")
@@ -264,7 +322,16 @@ def _persistent(shape: ModelShape, plan: Plan) -> list[Term]:
     split = f" / {share} ranks" if share > 1 else ""
     params = shape.params()
     terms = []
-    if not plan.weights_on_host:
+    if not plan.weights_on_host and plan.quantized:
+        quantized = quantized_params(shape, plan)
+        per = quantized_bytes_per_weight(plan)
+        double = "double-quantized " if plan.double_quant else ""
+        how = (
+            f"{count_text(quantized)} 4-bit x {per:.4f} bytes (with {double}constants), "
+            f"{count_text(params - quantized)} x {plan.weight_bytes}{split}"
+        )
+        terms.append(Term("base weights", base_weight_bytes(shape, plan) / share, how))
+    elif not plan.weights_on_host:
         how = f"{count_text(params)} parameters x {plan.weight_bytes} bytes{split}"
         terms.append(Term("base weights", params * plan.weight_bytes / share, how))
     n = adapter_params(shape, plan)
@@ -306,15 +373,33 @@ def _rollout(shape: ModelShape, plan: Plan) -> list[Term]:
 
 
 def _training(shape: ModelShape, plan: Plan) -> tuple[list[Term], list[Term]]:
-    """The training phase's device terms, and the host memory that offloading takes."""
+    """The training phase's device terms, and the host memory that offloading takes.
+
+    The backward pass starts with the output layer (the lean path recomputes its logit chunks
+    there) and only then goes through the blocks, so the logits and a block's backward working
+    set (a recomputed block, or one brought back from the host) are never held at once: what
+    the saved activations leave held counts once, plus the larger of the two.
+    """
     host: list[Term] = []
-    terms = [_activations(shape, plan, host), _logits(shape, plan)]
+    held, working = _activations(shape, plan, host)
+    logits = _logits(shape, plan)
+    terms = [held, logits]
+    if working is not None and working.bytes > logits.bytes:
+        how = f"{working.how} ({working.bytes / GIB:.2f} GiB), beyond the logits' memory it reuses"
+        terms.append(Term("backward working set", working.bytes - logits.bytes, how))
+    terms += _dequantized_in_flight(shape, plan)
     if plan.fsdp:
-        gathered = (2 * shape.block_params() + shape.vocab * shape.hidden) * 2
+        block = shape.block_params()
+        block_bytes = block * 2
+        if plan.quantized:
+            matrices = sum(a * b for a, b in shape.projections().values())
+            block_bytes = matrices * quantized_bytes_per_weight(plan) + (block - matrices) * 2
+        gathered = 2 * block_bytes + shape.vocab * shape.hidden * 2
         how = "two blocks and the output layer unsharded at once, bfloat16"
+        how += " (the blocks' projections 4-bit)" if plan.quantized else ""
         terms.append(Term("FSDP2 gathered weights", gathered, how))
     if plan.weights_on_host:
-        bytes_ = shape.params() * plan.weight_bytes / plan.ranks
+        bytes_ = base_weight_bytes(shape, plan) / plan.ranks
         host.append(Term("base weights (FSDP2 cpu_offload)", bytes_, "this rank's shards"))
     if plan.moments_on_host:
         moments = adapter_params(shape, plan) * 8 / plan.ranks
@@ -322,32 +407,48 @@ def _training(shape: ModelShape, plan: Plan) -> tuple[list[Term], list[Term]]:
     return terms, host
 
 
-def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> Term:
-    """Saved activations on the device (and, offloaded, on the host: appended to ``host``)."""
+def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term, Term | None]:
+    """Saved activations held on the device when the backward pass starts, and the working
+    set of one block's backward on top of them (None: nothing beyond what is held); what
+    offloading moves to the host is appended to ``host``.
+
+    - plain: every layer's saved tensors, the final norm's input and the head's input;
+    - checkpointing: each block's input; in backward one block recomputed at a time;
+    - offloading: the head's input (a view, never offloaded) and the latest block's saved
+      tensors, whose copies to the host trail the forward (their memory is released only once
+      a copy has read it); in backward one block brought back and the prefetch;
+    - both: the head's input and the latest block input in flight; in backward one block
+      recomputed from its input brought back, and the prefetch.
+    """
     sequences = plan.micro_batch * plan.per_example
     tokens = sequences * plan.sequence
     layer = layer_bytes(shape, plan) * tokens
     block_input = shape.hidden * plan.weight_bytes * tokens
+    head_input = shape.hidden * plan.weight_bytes * tokens
     outside = (4 + plan.weight_bytes) * shape.hidden * tokens  # final norm, the head's input
     count = f"{sequences} x {plan.sequence} tokens"
     every = f"{layer_bytes(shape, plan):,} bytes/token x {count} x {shape.layers} layers"
     held = shape.layers * layer + outside  # what plain training holds
+    recomputed = "one block recomputed"
     if plan.checkpointing and plan.offloading:
         inputs = shape.layers * block_input
-        device = layer + 2 * block_input + min(OFFLOAD_PREFETCH_BYTES, inputs)
-        how = "one block recomputed, its input in flight; block inputs on the host"
-        host.append(Term("offloaded block inputs", shape.layers * block_input + outside, count))
+        device = head_input + block_input
+        how = "the head's input and the latest block input in flight; block inputs on the host"
+        working = Term("", layer + block_input + min(OFFLOAD_PREFETCH_BYTES, inputs), recomputed)
+        host.append(Term("offloaded block inputs", inputs + outside, count))
     elif plan.checkpointing:
-        device = shape.layers * block_input + layer + outside
-        how = f"each block's input ({shape.hidden} x {plan.weight_bytes} bytes/token), "
-        how += "and one block recomputed"
+        device = shape.layers * block_input + outside
+        how = f"each block's input ({shape.hidden} x {plan.weight_bytes} bytes/token)"
+        working = Term("", layer, recomputed)
     elif plan.offloading:
-        device = min(held, 2 * layer + min(OFFLOAD_PREFETCH_BYTES, held))
-        how = "two layers' worth on the device and the prefetch; the rest on the host"
+        device = min(held, head_input + layer)
+        how = "the head's input and the latest block's tensors in flight; the rest on the host"
+        back = min(layer + OFFLOAD_PREFETCH_BYTES, held - device)
+        working = Term("", back, "one block brought back and the prefetch")
         host.append(Term("offloaded activations", held, every))
     else:
-        device, how = held, every
-    return Term("activations", device, how)
+        device, how, working = held, every, None
+    return Term("activations", device, how), working
 
 
 def _logits(shape: ModelShape, plan: Plan) -> Term:
@@ -385,7 +486,8 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
     """Each knob that lowers the estimate of ``plan``, cheapest first, with the estimate it
     gives: a smaller micro-batch, activation checkpointing, activation offloading, fewer
     members per GPU, a smaller vLLM share, FSDP2 over twice the GPUs (when members have
-    ``gpus`` > 0), and every activation knob at once."""
+    ``gpus`` > 0), a 4-bit base (which, unlike the others, changes what is trained: the adapter
+    learns on the quantized weights), and every activation knob at once."""
 
     def knob(setting: str, **changes: object) -> Knob:
         return Knob(setting, estimate(shape, dataclasses.replace(plan, **changes), gpu_bytes))
@@ -419,6 +521,8 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
         if plan.engine == "static":  # a sharded model cannot be captured
             setting, sharded["engine"] = f"{setting}, rollout.engine: hf", "hf"
         knobs.append(knob(setting, **sharded))
+    if not plan.quantized and plan.engine != "vllm":  # vLLM would load its own unquantized copy
+        knobs.append(knob("model.quantization: {quant_type: nf4} (QLoRA)", quantized=True))
     if smaller and not (plan.checkpointing and plan.offloading):
         setting = "algorithm.micro_batch_size: 1 with both activation knobs"
         knobs.append(knob(setting, micro_batch=1, checkpointing=True, offloading=True))

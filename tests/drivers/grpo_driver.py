@@ -4,7 +4,7 @@ Trains a member on fixed synthetic batches, so runs at different world sizes see
 same global batch, and writes what it saw (losses, gathered adapter) for the test to compare.
 
     driver.py OUT.json --steps N [--fsdp] [--no-defer] [--checkpointing] [--save-at K CKPT]
-        [--load CKPT]
+        [--load CKPT] [--quantize]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.member import Member, local_shard
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.config.loader import manifest_from_dict
 from pbt.distributed import CollectiveError, shutdown, world_info
@@ -25,9 +25,15 @@ from pbt.distributed.state import gather_parameters
 PROMPTS, GROUP, LENGTH = 4, 4, 6
 
 
-def manifest(fsdp: dict | bool | None, timeout_s: float = 600.0, checkpointing: bool = False):
+def manifest(
+    fsdp: dict | bool | None,
+    timeout_s: float = 600.0,
+    checkpointing: bool = False,
+    quantize: bool = False,
+):
     return manifest_from_dict(
         {
+            "model": {"quantization": {"quant_type": "nf4"} if quantize else None},
             "optim": {"lr": 5e-3, "warmup_steps": 1},
             "algorithm": {
                 "group_size": GROUP,
@@ -73,13 +79,14 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--no-defer", action="store_true")
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint every block")
+    parser.add_argument("--quantize", action="store_true", help="a 4-bit base (QLoRA)")
     parser.add_argument("--save-at", nargs=2)
     parser.add_argument("--load")
     parser.add_argument("--hang-rank", type=int, help="this rank sleeps instead of training")
     args = parser.parse_args()
     fsdp = {"defer_grad_sync": not args.no_defer} if args.fsdp else None
     timeout = 5.0 if args.hang_rank is not None else 600.0
-    member = Member(manifest(fsdp, timeout, args.checkpointing), torch.device("cpu"))
+    member = Member(manifest(fsdp, timeout, args.checkpointing, args.quantize), torch.device("cpu"))
     if args.hang_rank == world_info().rank:
         time.sleep(60)
     if args.load:
@@ -101,7 +108,13 @@ def main() -> None:
             checkpointed = sum(
                 getattr(m, "pbt_checkpointed", False) for m in member.model.modules()
             )
-            out = {"losses": losses, "world_size": world.world_size, "checkpointed": checkpointed}
+            frozen = [local_shard(p) for p in member.model.parameters() if not p.requires_grad]
+            out = {
+                "losses": losses,
+                "world_size": world.world_size,
+                "checkpointed": checkpointed,
+                "base_bytes": sum(t.numel() * t.element_size() for t in frozen),
+            }
             json.dump(out, f)
     shutdown()
 
