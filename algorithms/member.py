@@ -41,7 +41,6 @@ from pbt.distributed.state import (
     copies_in_background,
     gather_parameters,
     load_parameters,
-    to_device,
 )
 from pbt.protocol.collapse import collapse_detail, diagnosis, is_zero_signal
 
@@ -296,8 +295,8 @@ class Member:
             attrs = load_checkpoint(path)
         elif torch.device(self.device).type == "cpu":
             attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
-        else:  # a snapshot's packed buffers: one copy to the device each
-            attrs = to_device(held, self.device)
+        else:
+            attrs = held
         self._check_compatible(attrs, path)
         named = self.learner.named_params
         saved = attrs["trainable"]

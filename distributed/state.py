@@ -73,28 +73,22 @@ class HostCopies:
         return host
 
     def settle(self, tree: Any) -> Any:
-        """Wait for the copies to arrive; ``tree`` with its views of the pinned buffers moved
-        onto pageable copies of them, one buffer per dtype still (saved, each is written
-        once; loaded back onto a GPU, each travels in one copy: :func:`to_device`). The
-        pinned buffers go back to torch's pinned-memory cache for the next snapshot."""
+        """Wait for the copies to arrive; ``tree`` with each view of a pinned buffer replaced
+        by a pageable copy with its own storage (as a saved file needs); the pinned buffers go
+        back to torch's pinned-memory cache, for the next snapshot."""
         if not self._copies:
             return tree
-        pageable: dict[int, torch.UntypedStorage] = {}
-        for done, _, host in self._copies:
+        for done, _, _ in self._copies:
             done.synchronize()
-            own = torch.empty(host.shape, dtype=host.dtype)  # pageable (a clone stays pinned)
-            pageable[host.untyped_storage().data_ptr()] = own.copy_(host).untyped_storage()
+        pinned = {host.untyped_storage().data_ptr() for _, _, host in self._copies}
         self._copies.clear()
 
-        def rehome(t: Tensor) -> Tensor:
-            storage = pageable.get(t.untyped_storage().data_ptr())
-            if storage is None:
+        def own(t: Tensor) -> Tensor:
+            if t.untyped_storage().data_ptr() not in pinned:
                 return t
-            return torch.empty(0, dtype=t.dtype).set_(
-                storage, t.storage_offset(), t.size(), t.stride()
-            )
+            return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # a clone would stay pinned
 
-        return torch.utils._pytree.tree_map_only(Tensor, rehome, tree)
+        return torch.utils._pytree.tree_map_only(Tensor, own, tree)
 
 
 _PENDING: contextvars.ContextVar[HostCopies | None] = contextvars.ContextVar(
@@ -120,28 +114,6 @@ def copies_in_background() -> Iterator[HostCopies]:
         yield copies
     finally:
         _PENDING.reset(token)
-
-
-def to_device(tree: Any, device: torch.device) -> Any:
-    """``tree`` with every CPU tensor that shares its storage with others (the views of a
-    snapshot's packed buffer, see :class:`HostCopies`) on ``device``: each such storage travels
-    in one copy instead of one per tensor. Other tensors are left where they are."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
-    views: dict[int, list[Tensor]] = {}
-    for t in leaves:
-        if t.device.type == "cpu":
-            views.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    moved: dict[int, Tensor] = {}
-    for group in views.values():
-        if len(group) < 2:
-            continue
-        storage = group[0].untyped_storage()
-        host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        there = host.to(device, non_blocking=host.is_pinned()).untyped_storage()
-        for t in group:
-            on = torch.empty(0, dtype=t.dtype, device=device)
-            moved[id(t)] = on.set_(there, t.storage_offset(), t.size(), t.stride())
-    return torch.utils._pytree.tree_map_only(Tensor, lambda t: moved.get(id(t), t), tree)
 
 
 def like(reference: Tensor, full: Tensor) -> Tensor:

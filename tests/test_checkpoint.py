@@ -171,8 +171,8 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
     restored.load(tmp_path / "background")
     for name, value in _adapter(restored).items():
         assert torch.equal(value, moment[name]), name
-    # the same state from host memory (a parent a long-lived worker holds): packed buffers
-    # travel to the device in one copy each, and train on exactly as the file's copy does
+    # the same state from host memory (a parent a long-lived worker holds, in pageable
+    # memory: the pinned buffers are reused) trains on exactly as the file's copy does
     held = {**background.attributes, "digest": at_once}
     assert not any(
         t.is_pinned() for t in torch.utils._pytree.tree_leaves(held) if torch.is_tensor(t)
