@@ -85,10 +85,18 @@ def main() -> None:
         "--modes", nargs="+", default=list(MODES)[:4], choices=[*MODES, "all"],
         help="which modes to run (default: plain and the activation knobs; all: every mode)",
     )  # fmt: skip
+    parser.add_argument(
+        "--snapshot", default=None, metavar="DIR",
+        help="CUDA only: write each mode's allocator history over its timed steps to "
+        "DIR/MODE.pickle (torch.cuda.memory._dump_snapshot; view at pytorch.org/memory_viz) "
+        "to see what is allocated at the peak; recording slows the steps",
+    )  # fmt: skip
     args = parser.parse_args()
     modes = list(MODES) if "all" in args.modes else args.modes
+    if args.snapshot and args.device != "cuda":
+        parser.error(f"--snapshot ({args.snapshot!r}) needs --device cuda; drop --snapshot on cpu")
 
-    results = {name: run_mode(args, *MODES[name]) for name in modes}
+    results = {name: run_mode(args, *MODES[name], name=name) for name in modes}
     plain = results.get("plain")
     print(
         f"\n{args.shape} shape on {args.device}, LoRA r 16 on every projection, "
@@ -155,7 +163,11 @@ def quantize_blocks(base, device) -> int:
 
 
 def run_mode(
-    args: argparse.Namespace, checkpointing: bool, offloading: bool, qlora: bool = False
+    args: argparse.Namespace,
+    checkpointing: bool,
+    offloading: bool,
+    qlora: bool = False,
+    name: str = "mode",
 ) -> dict:
     """Build the model with the knobs and time ``args.steps`` training steps."""
     import torch
@@ -216,12 +228,19 @@ def run_mode(
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()  # the build's unquantized weights are not counted
+    snapshot = getattr(args, "snapshot", None)
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     if cuda:
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / args.steps
+    if snapshot:
+        Path(snapshot).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(Path(snapshot) / f"{name}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return {
         "tok_s": n * (p_len + c_len) / elapsed,
@@ -250,6 +269,7 @@ def bench_estimate(
         offloading=offloading,
         quantized=qlora,
         double_quant=QLORA["double_quant"],
+        generic_lora_on_4bit=True,  # quantize_blocks: peft's generic layer, not its 4-bit one
     )
     return estimate(shape, plan).peak / GIB
 

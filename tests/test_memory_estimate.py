@@ -74,14 +74,16 @@ def test_the_arithmetic_of_a_hand_computed_case():
 
 def test_the_activation_knobs_on_the_hand_computed_case(monkeypatch: pytest.MonkeyPatch):
     """What stays held at the start of backward, and a block's backward working set counted
-    only beyond the logits (5,120 bytes here) it follows."""
+    only beyond the logits (5,120 bytes here) it follows; a recomputed block's with the MLP's
+    three gradients of 16 x 2 bytes a token."""
     outside, layer, block_input, logits = 16 * 6 * 8, 16 * 380, 16 * 16, 5120
+    grads = 16 * 3 * 16 * 2
     checkpointed = estimate(SMALL, dataclasses.replace(SMALL_PLAN, checkpointing=True))
     # each layer's input (8 x 2 bytes per token); one block recomputed after the logits
     assert _term(checkpointed.training, "activations") == 2 * block_input + outside
-    assert _term(checkpointed.training, "backward working set") == layer - logits
+    assert _term(checkpointed.training, "backward working set") == layer + grads - logits
     offloaded = estimate(SMALL, dataclasses.replace(SMALL_PLAN, offloading=True))
-    # the head's input and the latest block in flight, then one block back: with two layers
+    # the head's input and about one block more, then one block back: with two layers
     # the device never holds more than plain training's activations
     assert _term(offloaded.training, "activations") == 16 * 2 * 8 + layer
     assert _training(offloaded) == 2 * layer + outside
@@ -97,7 +99,8 @@ def test_the_activation_knobs_on_the_hand_computed_case(monkeypatch: pytest.Monk
     # the head's input and one block input in flight; one block recomputed from its input
     # brought back, and the prefetch; every input on the host
     assert _term(both.training, "activations") == 16 * 2 * 8 + block_input
-    assert _term(both.training, "backward working set") == layer + block_input + 1000 - logits
+    working = layer + grads + block_input + 1000
+    assert _term(both.training, "backward working set") == working - logits
     assert _term(both.host, "offloaded block inputs") == 40 * block_input + outside
     # a working set smaller than the logits adds nothing
     wide = dataclasses.replace(SMALL, vocab=3200)
@@ -219,6 +222,77 @@ def _saved_bytes(layers: int, autocast: bool) -> int:
     return sum(storages.values())
 
 
+def test_a_recomputed_block_holds_the_mlp_gradients_beside_its_saved_tensors():
+    """What a checkpointed block's recompute and backward hold at most, beyond the block
+    inputs held before (counted on the CPU by following every tensor's storage): its saved
+    tensors and the MLP's three gradients, :func:`mlp_gradient_bytes`. Two intermediate sizes
+    separate the gradients, which grow with it, from what does not."""
+    from pbt.controller.memory import mlp_gradient_bytes
+
+    plan = Plan(lora_r=8)
+    tokens = 2 * 128
+    small, large = (_recompute_working_set(i, tokens) for i in (512, 1024))
+    shapes = [shape_from_config(_wide_config(i), "t") for i in (512, 1024)]
+    per_token = [layer_bytes(s, plan) + mlp_gradient_bytes(s, plan) for s in shapes]
+    assert large - small == (per_token[1] - per_token[0]) * tokens
+
+
+def _wide_config(intermediate: int) -> dict:
+    return {**_config(1), "hidden_size": 256, "head_dim": 64, "intermediate_size": intermediate}
+
+
+def _recompute_working_set(intermediate: int, tokens: int) -> int:
+    """The most bytes one checkpointed block's step holds beyond what it holds when backward
+    starts (bf16 base under autocast, as on CUDA)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from pbt.algorithms.activations import checkpoint_blocks
+    from pbt.algorithms.models import add_lora
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.config import LoRAConfig
+
+    class Live(TorchDispatchMode):
+        """Bytes of the storages that ops create, while they live."""
+
+        def __init__(self, known: list) -> None:
+            super().__init__()
+            self.refs = {t.untyped_storage()._cdata: (StorageWeakRef(t.untyped_storage()), 0)
+                         for t in known}  # fmt: skip
+            self.live = self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
+                self.live -= self.refs.pop(key)[1]
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.refs:
+                    storage = t.untyped_storage()
+                    self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                    self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            return out
+
+    torch.manual_seed(0)
+    config = _wide_config(intermediate)
+    config.pop("model_type")
+    base = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
+    model = add_lora(base.requires_grad_(False), LoRAConfig(r=8)).train()
+    checkpoint_blocks(base)
+    ids = torch.randint(128, (2, tokens // 2))
+    batch = RolloutBatch(ids[:, :16], torch.ones(2, 16, dtype=torch.long), ids[:, 16:],
+                         torch.ones(2, tokens // 2 - 16), ["", ""])  # fmt: skip
+    live = Live([*model.parameters(), *model.buffers()])
+    with live:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = -sequence_logprobs(model, batch, 1.0).mean()
+        held, live.peak = live.live, 0
+        loss.backward()
+    return live.peak - held
+
+
 @pytest.mark.parametrize(
     ("shape", "plan", "measured"),
     [
@@ -258,6 +332,53 @@ def test_the_activation_knobs_agree_with_the_h200(knobs: tuple[bool, bool], meas
 
     args = argparse.Namespace(shape="0.5b", batch=4, prompt=64, completion=4032)
     estimated = bench.bench_estimate(bench.model_config("0.5b"), args, *knobs)
+    assert estimated == pytest.approx(measured, rel=0.15)
+
+
+H200_1_5B = {
+    "plain": 52.214,
+    "activation_checkpointing": 7.200,
+    "activation_offloading": 7.762,
+    "both": 6.223,
+    "qlora": 52.953,
+    "qlora+activation_checkpointing": 8.611,
+    "qlora+activation_offloading": 3.466,
+    "qlora+both": 5.099,
+}
+"""bench/RESULTS.md's 1.5B table (measured peaks, GiB, one H200): ``bench/activation_memory.py
+--shape 1.5b --device cuda --batch 4 --completion 4032 --steps 2 --modes all``."""
+UNEXPLAINED = {
+    "qlora+activation_checkpointing": "3.2 GiB above the estimate on the H200; no such term "
+    "shows on the CPU, where a 4-bit base saves and holds what a half one does",
+    "qlora+activation_offloading": "the H200 holds nothing of the latest block beside the "
+    "logits here, while the half base's offloading row holds about a block more",
+}
+"""Rows the estimate misses by more than 15%, with what is known (bench/RESULTS.md)."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "measured"),
+    [
+        pytest.param(
+            mode, peak,
+            marks=[pytest.mark.xfail(strict=True, reason=UNEXPLAINED[mode])]
+            if mode in UNEXPLAINED else [],
+        )
+        for mode, peak in H200_1_5B.items()
+    ],
+)  # fmt: skip
+def test_the_knobs_and_a_4bit_base_agree_with_the_h200_at_1_5b(mode: str, measured: float):
+    """The bench's exact 1.5B workload (4 x (64 + 4,032) tokens, LoRA r 16, mixed precision,
+    each knob and a 4-bit base), through the bench's own estimate, within 15% of each measured
+    peak. The rows the estimate does not explain yet are expected to fail (strictly: a fix
+    that brings one within 15% turns its xfail into a failure to remove)."""
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import activation_memory as bench
+
+    args = argparse.Namespace(shape="1.5b", batch=4, prompt=64, completion=4032)
+    estimated = bench.bench_estimate(bench.model_config("1.5b"), args, *bench.MODES[mode])
     assert estimated == pytest.approx(measured, rel=0.15)
 
 

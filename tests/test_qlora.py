@@ -349,6 +349,120 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
         return sum(storages.values())
 
     shape = shape_from_config({"model_type": "qwen2", "num_hidden_layers": 2, **config}, "t")
-    plan = Plan(weight_bytes=2 if autocast else 4, autocast=autocast, lora_r=8, quantized=True)
+    plan = Plan(
+        weight_bytes=2 if autocast else 4,
+        autocast=autocast,
+        lora_r=8,
+        quantized=True,
+        generic_lora_on_4bit=True,  # the bench's in-place quantization
+    )
     casts = 2 * adapter_params(shape, plan) // shape.layers if autocast else 0
     assert saved(3) - saved(2) == layer_bytes(shape, plan) * 2 * 24 + casts
+
+
+def test_offloading_moves_the_same_tensors_on_a_4bit_base():
+    """What the offloading hooks see of a 4-bit layer: bitsandbytes' matmul keeps its packed
+    weight on its autograd context, not through ``save_for_backward``, so the hooks offload
+    on a quantized base exactly the storages they offload on a half one (the adapters'), and
+    never a 4-bit weight or its dequantized copy (as the H200 run's 46.96 GiB offloaded a
+    step in both modes shows)."""
+    from bitsandbytes.nn import Params4bit
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from pbt.algorithms.activations import ActivationOffload
+    from pbt.algorithms.models import add_lora
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.config import LoRAConfig
+
+    config = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False,
+        "num_hidden_layers": 2,
+    }  # fmt: skip
+
+    def offloaded(quantized: bool) -> tuple[int, list[tuple[str, tuple[int, ...]]]]:
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
+        base.requires_grad_(False)
+        if quantized:
+            _bench().quantize_blocks(base, CPU)
+        model = add_lora(base, LoRAConfig(r=8)).train()
+        offload = ActivationOffload(CPU, min_bytes=1)
+        seen = []
+        pack = offload._pack
+
+        def watch(tensor: torch.Tensor):
+            packed = pack(tensor)
+            if packed is not tensor:
+                assert not isinstance(tensor, Params4bit)
+                assert not isinstance(tensor._base, Params4bit)
+                seen.append((str(tensor.dtype), tuple(tensor.shape)))
+            return packed
+
+        offload._pack = watch
+        offload.install(model)
+        ids = torch.randint(128, (2, 24))
+        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
+                             torch.ones(2, 16), ["", ""])  # fmt: skip
+        with torch.autocast("cpu", torch.bfloat16):
+            sequence_logprobs(model, batch, 1.0)
+        return offload.offloaded_bytes, sorted(seen)
+
+    half, quantized = offloaded(False), offloaded(True)
+    assert half[0] > 0 and quantized == half
+
+
+def test_a_member_on_a_4bit_base_shares_the_adapters_inputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A base loaded with ``model.quantization`` gets peft's 4-bit LoRA layer, which under
+    CUDA's autocast passes the adapters its half input as it is (the generic layer, on a half
+    base or after the bench's in-place quantization, casts a copy for each projection): a
+    block saves what :func:`layer_bytes` counts for shared inputs. The layer asks
+    ``torch.is_autocast_enabled()``, CUDA's; here it is told the CPU's autocast, which runs the
+    same step on this machine."""
+    from pbt.algorithms.builtin.tiny import build_shaped_model
+    from pbt.algorithms.models import add_lora, load_base_model
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
+    from pbt.controller.memory import Plan, adapter_params, layer_bytes
+    from pbt.controller.model_shape import shape_from_config
+
+    cpu_autocast = torch.is_autocast_enabled
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: cpu_autocast(*(a or ("cpu",))))
+    shape_kw = {"hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+    def saved(layers: int) -> tuple[int, dict]:
+        folder = build_shaped_model(tmp_path / f"m{layers}", num_hidden_layers=layers, **shape_kw)
+        config = ModelConfig(name=str(folder), quantization=QuantizationConfig(), dtype="bfloat16")
+        base = load_base_model(config, CPU)
+        model = add_lora(base, LoRAConfig(r=8)).train()
+        assert type(model.base_model.model.model.layers[0].mlp.down_proj).__module__ == (
+            "peft.tuners.lora.bnb"
+        )
+        torch.manual_seed(0)
+        ids = torch.randint(100, (2, 24))
+        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
+                             torch.ones(2, 16), ["", ""])  # fmt: skip
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            if not isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", torch.bfloat16),
+        ):
+            sequence_logprobs(model, batch, 1.0)
+        return sum(storages.values()), base.config.to_dict()
+
+    (two, config), (three, _) = saved(2), saved(3)
+    shape = shape_from_config(config, "m")
+    plan = Plan(lora_r=8, quantized=True)  # bf16 base, mixed precision: peft's 4-bit layer
+    casts = 2 * adapter_params(shape, plan) // shape.layers  # the adapters' bf16 copies
+    assert three - two == layer_bytes(shape, plan) * 2 * 24 + casts
+    copies = layer_bytes(shape, Plan(lora_r=8, quantized=True, generic_lora_on_4bit=True))
+    assert copies > layer_bytes(shape, plan)

@@ -19,9 +19,9 @@ grouped-query attention through SDPA, a gated MLP), LoRA on its projections, on 
   full ``[N, T, V]`` logits where the lean path does not apply); under FSDP2 two blocks and the
   output layer gathered at once; a 4-bit base's weights of one block dequantized in flight.
   With activation checkpointing or offloading, the saved activations shrink to what stays on
-  the device, and a block's backward working set (recomputed, or brought back from the host)
-  counts only where it exceeds the logits: the output layer's backward, where the logits
-  live, ends before the first block's begins.
+  the device, and a block's backward working set (recomputed with the MLP's gradients beside
+  it, or brought back from the host) counts only where it exceeds the logits: the output
+  layer's backward, where the logits live, ends before the first block's begins.
 - **Rollout**: the KV cache of ``prompts_per_step x group_size / ranks`` sequences of prompt +
   completion (``generate``'s grows to it; the static decoder's is persistent, rounded up to
   :data:`STATIC_LENGTH_BUCKET`), or vLLM's ``gpu_memory_utilization`` share of the GPU (only
@@ -41,10 +41,18 @@ at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB:
 gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
 and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
 
-The activation knobs against the H200 (``bench/activation_memory.py``, 0.5B shape, 4 x (64 +
-4,032) tokens; tests/test_memory_estimate.py feeds the estimate that workload): checkpointing
-3.86 GiB measured, 3.81 estimated; offloading 3.85 and 4.03; both 3.14 and 3.12. Not measured
-on a GPU yet: the 4-bit base's terms (written from bitsandbytes' storage format). Not
+The activation knobs against the H200 (``bench/activation_memory.py``, 4 x (64 + 4,032)
+tokens; tests/test_memory_estimate.py feeds the estimate that workload): at 0.5B checkpointing
+3.86 GiB measured, 3.81 estimated; offloading 3.85 and 4.03; both 3.14 and 3.12. At 1.5B plain
+52.21 and 52.26, checkpointing 7.20 and 7.13, offloading 7.76 and 6.91, both 6.22 and 6.07; on
+a 4-bit base 52.95 and 50.53, with checkpointing 8.61 and 5.41, offloading 3.47 and 5.18, both
+5.10 and 4.35. Two 4-bit rows are off by more than 15% and not explained: on the CPU a 4-bit
+block saves and holds exactly what a half one does (bitsandbytes' matmul keeps only its packed
+weight, and dequantizes into a temporary each time), so the H200's extra 3.2 GiB in a
+recomputed 4-bit block's backward, and the block that offloading holds with a half base but
+not with a 4-bit one, come from something the CPU does not run (bench/RESULTS.md). Those
+4-bit rows ran peft's generic LoRA layer (the bench quantizes in place); a member's 4-bit
+layer shares the adapters' inputs, which the estimate counts but no GPU has measured. Not
 modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB measured at
 0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts blocks, the
 allocator's fragmentation, and transient buffers of a rollout's prefill.
@@ -126,6 +134,10 @@ class Plan:
     double_quant: bool = True
     compute_bytes: int = 2
     """Bytes of the dtype a 4-bit layer dequantizes its weight to (``compute_dtype``)."""
+    generic_lora_on_4bit: bool = False
+    """The 4-bit projections carry peft's generic LoRA layer, as after the bench's in-place
+    quantization, not its 4-bit one (what ``model.quantization`` loads); only the 4-bit one
+    passes the adapters its half input as it is under autocast."""
 
     @property
     def sequence(self) -> int:
@@ -234,12 +246,14 @@ def layer_bytes(shape: ModelShape, plan: Plan) -> int:
       float32 adapter on a half base (mixed precision) casts its input, so every adapted
       projection keeps its own copy; otherwise the inputs are shared: one normed hidden state
       for q, k, v, one for gate and up, and the MLP's product for down (o's input is SDPA's
-      output, already counted).
+      output, already counted). peft's 4-bit LoRA layer skips that cast under autocast, so
+      on a 4-bit base with mixed precision the inputs are shared too.
     """
     b = 2 if plan.weight_bytes == 2 else 4
     half_adapter = plan.weight_bytes == 2 and (plan.fsdp or plan.autocast)
     a = 2 if half_adapter else 4
-    copies = plan.weight_bytes == 2 and not plan.fsdp
+    uncast = plan.quantized and plan.autocast and not plan.generic_lora_on_4bit
+    copies = plan.weight_bytes == 2 and not plan.fsdp and not uncast
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     adapted = [p for p in plan.adapted if p in PROJECTIONS]
     norms = 2 * 4 * (h + 1) + (4 * (q + kv + shape.heads + shape.kv_heads) if shape.qk_norm else 0)
@@ -252,6 +266,19 @@ def layer_bytes(shape: ModelShape, plan: Plan) -> int:
         groups = {("q_proj", "k_proj", "v_proj"): h, ("gate_proj", "up_proj"): h, ("down_proj",): i}
         lora_in = b * sum(w for group, w in groups.items() if any(p in adapted for p in group))
     return norms + attention + mlp + lora_out + lora_in
+
+
+def mlp_gradient_bytes(shape: ModelShape, plan: Plan) -> int:
+    """Bytes per token of the gradients alive at once in a block's backward, on top of the
+    block's saved tensors: the MLP's, which backward reaches first: the gradient of the down
+    projection's input, then those of the activation's output and of the up projection's
+    output (``3 I`` in the compute dtype). Counted on the CPU (``bench/activation_memory.py``'s
+    workload at the 1.5B widths, one block recomputed: 6.0 x ``I`` bytes a token beyond the
+    saved tensors, at two intermediate sizes). Plain training never notices them (the logits
+    of the output layer's backward are larger and gone first); a recomputed block's backward
+    does."""
+    b = 2 if plan.weight_bytes == 2 else 4
+    return b * 3 * shape.intermediate
 
 
 def adapter_params(shape: ModelShape, plan: Plan) -> int:
@@ -413,12 +440,15 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
     offloading moves to the host is appended to ``host``.
 
     - plain: every layer's saved tensors, the final norm's input and the head's input;
-    - checkpointing: each block's input; in backward one block recomputed at a time;
-    - offloading: the head's input (a view, never offloaded) and the latest block's saved
-      tensors, whose copies to the host trail the forward (their memory is released only once
-      a copy has read it); in backward one block brought back and the prefetch;
+    - checkpointing: each block's input; in backward one block recomputed at a time, with the
+      MLP's gradients (:func:`mlp_gradient_bytes`) beside its saved tensors;
+    - offloading: the head's input (a view, never offloaded) and about one block's saved
+      tensors more, which the H200 shows with a half base (0.8 GiB at 0.5B, 2.5 at 1.5B) and
+      not with a 4-bit one. It is not the copies still in flight to the host: the CUDA
+      allocator counts a tensor free when it is released, even while the side stream still
+      reads it. In backward one block brought back and the prefetch;
     - both: the head's input and the latest block input in flight; in backward one block
-      recomputed from its input brought back, and the prefetch.
+      recomputed from its input brought back, with the MLP's gradients, and the prefetch.
     """
     sequences = plan.micro_batch * plan.per_example
     tokens = sequences * plan.sequence
@@ -429,20 +459,22 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
     count = f"{sequences} x {plan.sequence} tokens"
     every = f"{layer_bytes(shape, plan):,} bytes/token x {count} x {shape.layers} layers"
     held = shape.layers * layer + outside  # what plain training holds
-    recomputed = "one block recomputed"
+    recomputed = "one block recomputed, with the MLP's gradients"
+    grads = mlp_gradient_bytes(shape, plan) * tokens
     if plan.checkpointing and plan.offloading:
         inputs = shape.layers * block_input
         device = head_input + block_input
         how = "the head's input and the latest block input in flight; block inputs on the host"
-        working = Term("", layer + block_input + min(OFFLOAD_PREFETCH_BYTES, inputs), recomputed)
+        prefetch = min(OFFLOAD_PREFETCH_BYTES, inputs)
+        working = Term("", layer + grads + block_input + prefetch, recomputed)
         host.append(Term("offloaded block inputs", inputs + outside, count))
     elif plan.checkpointing:
         device = shape.layers * block_input + outside
         how = f"each block's input ({shape.hidden} x {plan.weight_bytes} bytes/token)"
-        working = Term("", layer, recomputed)
+        working = Term("", layer + grads, recomputed)
     elif plan.offloading:
         device = min(held, head_input + layer)
-        how = "the head's input and the latest block's tensors in flight; the rest on the host"
+        how = "the head's input and about one block's tensors; the rest on the host"
         back = min(layer + OFFLOAD_PREFETCH_BYTES, held - device)
         working = Term("", back, "one block brought back and the prefetch")
         host.append(Term("offloaded activations", held, every))
