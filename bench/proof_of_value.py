@@ -60,7 +60,7 @@ class Shape:
 
     warm_model: dict[str, object] = field(default_factory=dict)
     """Qwen2 config fields over the tiny model's (empty: the tiny model)."""
-    warm_steps: dict[str, int] = field(default_factory=lambda: {"addition": 375, "chain_sum": 250})
+    warm_steps: dict[str, int] = field(default_factory=lambda: {"addition": 375, "chain_sum": 600})
     """Supervised warm-start steps per task: the model must stay well short of its ceiling."""
     slots: int = 8
     """N: members at once, the same for every strategy."""
@@ -85,10 +85,11 @@ class Shape:
 
 
 PBT_SETTINGS: dict[str, dict[str, object]] = {
-    "population": {"tournament_size": 2, "elitism": True},
+    "population": {"selection": "truncation", "truncation_fraction": 0.25},
     "mutation": {"no_mutation": 0.2, "rl_hp": 0.8},
 }
-"""The PBT strategy's selection and mutation (shapes override them with ``Shape.pbt``)."""
+"""The PBT strategy's selection and mutation (``--pbt`` overrides them): truncation, chosen
+over tournament of 2 by a sweep on other seeds (bench/RESULTS.md)."""
 
 SHAPES: dict[str, Shape] = {
     # 2-core CPU: one campaign (8 x 40 member-steps) is about two minutes at one thread.
@@ -105,19 +106,9 @@ SHAPES: dict[str, Shape] = {
         prompts_per_step=2,
         startup_trials=1,
     ),
-    # one H200, 8 members on it at once under MPS
+    # one H200: each campaign's 8 members on it at once under MPS, a larger batch; the same
+    # warm-started models as the CPU's (their sweeps calibrate them)
     "h200": Shape(
-        warm_model={
-            "hidden_size": 512,
-            "intermediate_size": 1408,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 64,
-        },
-        warm_steps={"addition": 300, "chain_sum": 250},
-        steps=60,
-        evo_steps=5,
         eval_size=512,
         test_size=256,
         group_size=16,
@@ -140,7 +131,12 @@ CHAIN_SUM_SEED = 20261202
 # -- tasks ----------------------------------------------------------------------------------
 
 
-def chain_sum_rows() -> list[tuple[str, str]]:
+CHAIN_SUM_FILE = BENCH / "tasks" / "chain_sum.jsonl"
+"""The pool, written once by :func:`generate_chain_sum_rows` (so a machine without
+reasoning-gym runs the task too); a test checks it against the generator."""
+
+
+def generate_chain_sum_rows() -> list[tuple[str, str]]:
     """Every distinct ``chain_sum`` problem that reasoning-gym generates from a fixed seed, in a
     fixed shuffled order: the pool the three splits are cut from."""
     import reasoning_gym
@@ -152,6 +148,12 @@ def chain_sum_rows() -> list[tuple[str, str]]:
     pairs = sorted(rows.items())
     random.Random(CHAIN_SUM_SEED).shuffle(pairs)
     return pairs
+
+
+def chain_sum_rows() -> list[tuple[str, str]]:
+    """The pool of :func:`generate_chain_sum_rows`, read from :data:`CHAIN_SUM_FILE`."""
+    lines = CHAIN_SUM_FILE.read_text().splitlines()
+    return [(row["question"], row["answer"]) for row in map(json.loads, lines)]
 
 
 def task_splits(task: str, shape: Shape) -> dict[str, list[tuple[str, str]]]:
@@ -327,20 +329,34 @@ MEMBER_COMMAND = [sys.executable, "-m", "pbt.worker"]
 side never race for a rendezvous port."""
 
 
-def run_campaigns(jobs: list[tuple[dict, Path]], parallel: int, env: dict[str, str]) -> None:
-    """Run each (manifest, directory) as a campaign in a child process, ``parallel`` at a time;
-    a directory that already holds a finished campaign of the same manifest is kept (the
-    harness can be re-run).
+def run_campaigns(
+    jobs: list[tuple[dict, Path]],
+    parallel: int,
+    env: dict[str, str],
+    deadline: float = math.inf,
+) -> None:
+    """Run each (manifest, directory) as a campaign in a child process, in order, as many at
+    once as keep the members training at once (each campaign's ``launch.slots``) within
+    ``parallel``; a directory that already holds a finished campaign of the same manifest is
+    kept (the harness can be re-run). None starts after ``deadline`` (``time.monotonic()``).
 
     Raises:
         ValueError: a directory holds a finished campaign of another manifest.
         RuntimeError: a campaign failed; its log is named.
     """
     queue = [(m, d) for m, d in jobs if not _finished(m, d)]
-    running: list[tuple[subprocess.Popen, Path, float]] = []
+    running: list[tuple[subprocess.Popen, Path, float, int]] = []
     failed = []
-    while queue or running:
-        while queue and len(running) < parallel:
+
+    def width(manifest: dict) -> int:
+        return min(manifest["launch"].get("slots", 1), manifest["population"]["size"])
+
+    while (queue and time.monotonic() < deadline) or running:
+        while (
+            queue
+            and time.monotonic() < deadline
+            and (not running or sum(r[3] for r in running) + width(queue[0][0]) <= parallel)
+        ):
             manifest, directory = queue.pop(0)
             shutil.rmtree(directory, ignore_errors=True)  # an unfinished earlier attempt
             directory.parent.mkdir(parents=True, exist_ok=True)
@@ -349,10 +365,10 @@ def run_campaigns(jobs: list[tuple[dict, Path]], parallel: int, env: dict[str, s
             command = [sys.executable, __file__, "campaign", str(path), "--dir", str(directory)]
             with open(directory.parent / f"{directory.name}.log", "w") as log:
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running.append((proc, directory, time.monotonic()))
+            running.append((proc, directory, time.monotonic(), width(manifest)))
         time.sleep(0.2)
         for item in [r for r in running if r[0].poll() is not None]:
-            proc, directory, started = item
+            proc, directory, started, _ = item
             running.remove(item)
             if proc.returncode != 0:
                 failed.append(directory)
@@ -747,9 +763,28 @@ def compare(args: argparse.Namespace) -> list[dict]:
         flush=True,
     )
     start = time.monotonic()
-    run_campaigns(jobs, args.parallel, child_env(args.device))
+    jobs.sort(key=lambda job: _seed_of(job[1]))  # seed by seed: a deadline leaves whole seeds
+    deadline = start + args.deadline_s if args.deadline_s else math.inf
+    run_campaigns(jobs, args.parallel, child_env(args.device), deadline)
     print(f"campaigns done in {time.monotonic() - start:.0f} s", flush=True)
-    return report(args, shape, groups)
+    done = {
+        seed
+        for seed in range(args.seeds_from, args.seeds_from + args.seeds)
+        if all(
+            (d / "finished.json").exists()
+            for (_, _, s), ds in groups.items()
+            if s == seed
+            for d in ds
+        )
+    }
+    if len(done) < args.seeds:
+        print(f"the deadline left {args.seeds - len(done)} seeds unrun; reporting {sorted(done)}")
+    return report(args, shape, {k: v for k, v in groups.items() if k[2] in done})
+
+
+def _seed_of(directory: Path) -> int:
+    """The comparison seed in a campaign directory's name (``<strategy>-s<seed>[-r<run>]``)."""
+    return int(directory.name.split("-s")[1].split("-")[0])
 
 
 def report(args: argparse.Namespace, shape: Shape, groups: dict) -> list[dict]:
@@ -771,7 +806,6 @@ def report(args: argparse.Namespace, shape: Shape, groups: dict) -> list[dict]:
         summary = summarize(curves, task, target)
         summaries.append(summary)
         print(f"\n## {task}\n\n{format_summary(summary)}\n", flush=True)
-        plot_curves(curves, task, target, out / f"proof_{args.shape}_{task}.png")
     stem = out / f"proof_{args.shape}"
     stem.with_suffix(".json").write_text(
         json.dumps(
@@ -782,7 +816,23 @@ def report(args: argparse.Namespace, shape: Shape, groups: dict) -> list[dict]:
     stem.with_suffix(".md").write_text(
         "\n\n".join(f"## {s['task']}\n\n{format_summary(s)}" for s in summaries) + "\n"
     )
+    try:
+        plot(stem.with_suffix(".json"))
+    except ModuleNotFoundError as err:  # a GPU machine without the bench extra
+        print(f"no plots ({err}); draw them where matplotlib is: plot {stem}.json", flush=True)
     return summaries
+
+
+def plot(results: Path) -> list[Path]:
+    """The reward-vs-compute plot of each task in a ``compare`` result file, beside it."""
+    data = json.loads(Path(results).read_text())
+    curves = [Curve(**c) for c in data["curves"]]
+    paths = []
+    for summary in data["summaries"]:
+        task = summary["task"]
+        path = Path(results).with_name(f"{Path(results).stem}_{task}.png")
+        paths.append(plot_curves(curves, task, float(summary["target"]), path))
+    return paths
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -871,8 +921,10 @@ def _targets(text: str | None) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["compare", "sweep", "campaign"])
-    parser.add_argument("manifest", nargs="?", help="campaign: the manifest to run")
+    parser.add_argument("command", choices=["compare", "sweep", "plot", "campaign"])
+    parser.add_argument(
+        "manifest", nargs="?", help="campaign: the manifest to run; plot: a compare result file"
+    )
     parser.add_argument("--dir", help="campaign: its directory")
     parser.add_argument("--shape", default="cpu", choices=list(SHAPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -889,7 +941,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target", type=_targets, default={}, help="e.g. addition=0.7,chain_sum=0.6"
     )
-    parser.add_argument("--parallel", type=int, default=2, help="campaigns at once")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=2,
+        help="members training at once over all campaigns (a campaign counts its launch.slots)",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no campaign after this many seconds; report the seeds that finished",
+    )
     parser.add_argument(
         "--lrs", type=float, nargs="+", default=[1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
     )
@@ -905,6 +967,8 @@ def main(argv: list[str] | None = None) -> None:
         compare(args)
     elif args.command == "sweep":
         sweep(args)
+    elif args.command == "plot":
+        print("\n".join(map(str, plot(Path(args.manifest)))))
     else:
         run_one(Path(args.manifest), Path(args.dir))
 

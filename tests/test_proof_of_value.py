@@ -137,3 +137,10 @@ def test_real_campaigns_train_exactly_n_times_t_at_most_n_at_a_time(
     with CampaignStore(tpe / STORE_FILENAME) as store:
         created = [m for m in store.members() if (m.mutation or "").startswith("trial")]
     assert len(created) >= s.slots  # each slot's first trial, and any started after a prune
+
+
+def test_the_chain_sum_file_is_what_reasoning_gym_generates() -> None:
+    pytest.importorskip("reasoning_gym")
+    rows = harness.chain_sum_rows()
+    assert rows == harness.generate_chain_sum_rows()
+    assert len(rows) == len({q for q, _ in rows}) == 4000
