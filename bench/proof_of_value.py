@@ -497,6 +497,9 @@ def read_curve(directories: list[Path], task: str, strategy: str, seed: int) -> 
     return Curve(task, strategy, seed, steps, reward, wall_s=wall)
 
 
+_SCORERS: dict[str, object] = {}
+
+
 def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict:
     """The campaign's best member by eval reward, loaded from its checkpoint and scored on
     ``problems`` by the members' own evaluation (greedy at ``eval_temperature``)."""
@@ -512,7 +515,13 @@ def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict
         checkpoint = store.member(member_id).checkpoint
         config = store.load_config()
     manifest = manifest_from_dict(config["manifest"], base_dir=config["base_dir"])
-    member = Member(manifest, torch.device(manifest.training.device))
+    # one member per model and task, its adapter swapped by each load: scoring many campaigns
+    # loads the base model and the task once
+    key = json.dumps([config["manifest"][k] for k in ("model", "lora", "task")], sort_keys=True)
+    key += manifest.training.device
+    if key not in _SCORERS:
+        _SCORERS[key] = Member(manifest, torch.device(manifest.training.device))
+    member = _SCORERS[key]
     member.load(directory / checkpoint)
     reward = member.learner.evaluate(
         [Example(q, a) for q, a in problems],
@@ -864,6 +873,14 @@ def sweep(args: argparse.Namespace) -> None:
             lines.append(
                 f"lr {key[0]:g} temperature {key[1]:g}: " + " ".join(f"{r:.3f}" for r in grid[key])
             )
+        # the oracle: the configuration whose run's best member (by eval) is best, on the test split
+        (lr, temp), _, best_dir = max(jobs, key=lambda job: max(grid[job[0]]))
+        scored = test_reward(best_dir, task_splits(task, shape)["test"])
+        lines.append(
+            f"oracle: lr {lr:g} temperature {temp:g}, best eval {scored['eval_reward']:.3f}, test "
+            f"{scored['reward']:.3f}; the sweep cost {len(jobs)} x {shape.steps} = "
+            f"{len(jobs) * shape.steps} member-steps ({len(jobs) * shape.steps / (shape.slots * shape.steps):.2f}x a strategy's budget)"
+        )
         text = "\n".join(lines)
         print(text, flush=True)
         (out / f"sweep_{args.shape}_{task}.txt").write_text(text + "\n")

@@ -133,6 +133,12 @@ def test_real_campaigns_train_exactly_n_times_t_at_most_n_at_a_time(
             assert not (d / "test.json").exists()  # scored only after the campaign
         harness.score(dirs, curve, harness.task_splits(task, s)["test"])
         assert 0.0 <= curve.test_reward <= 1.0
+    # re-scored on the eval split by the scorer that has loaded every campaign above, the best
+    # member gives back the fitness its campaign recorded
+    rescored = harness.best_member_reward(groups["pbt"][0], harness.task_splits(task, s)["eval"])
+    with CampaignStore(groups["pbt"][0] / STORE_FILENAME) as store:
+        assert (rescored["member"], rescored["eval_reward"]) == store.best()
+    assert rescored["reward"] == pytest.approx(rescored["eval_reward"])
     tpe = groups["tpe"][0]
     with CampaignStore(tpe / STORE_FILENAME) as store:
         created = [m for m in store.members() if (m.mutation or "").startswith("trial")]
