@@ -370,7 +370,7 @@ def run_campaigns(
         for item in [r for r in running if r[0].poll() is not None]:
             proc, directory, started, _ = item
             running.remove(item)
-            if proc.returncode != 0:
+            if proc.returncode != 0 or not (directory / "store.db").exists():
                 failed.append(directory)
                 print(f"  FAILED {directory.name} (exit {proc.returncode})", flush=True)
                 continue
@@ -553,6 +553,35 @@ def score(directories: list[Path], curve: Curve, problems: list[tuple[str, str]]
     return curve
 
 
+def tpe_trials(directory: Path, startup_trials: int) -> dict:
+    """How many of a search campaign's trials TPE drew from its model: those asked once at
+    least ``startup_trials`` trials had finished or been pruned (before, it draws at random),
+    how many were pruned, and the generation of the first guided one."""
+    import optuna
+
+    from pbt.controller.search import study_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = study_storage(directory)
+    name = optuna.study.get_all_study_names(storage)[0]
+    trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+    ended = [t.datetime_complete for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
+    guided = [
+        t
+        for t in trials
+        if t.datetime_start is not None
+        and sum(e is not None and e <= t.datetime_start for e in ended) >= startup_trials
+    ]
+    first = min((int(t.user_attrs["member_id"][1:4]) for t in guided), default=None)
+    pruned = sum(t.state.name == "PRUNED" for t in trials)
+    return {
+        "trials": len(trials),
+        "guided": len(guided),
+        "pruned": pruned,
+        "first_guided_generation": first,
+    }
+
+
 # -- statistics -----------------------------------------------------------------------------
 
 
@@ -638,6 +667,14 @@ def format_summary(summary: dict) -> str:
             f"{r['budget']:.0f} | {r['reached']}/{len(r['seeds'])} | "
             f"{bound}{r['to_target_mean']:.0f} ({ratio_text}) | {r['wall_s']:.0f} s |"
         )
+    if summary.get("tpe_trials"):
+        t = summary["tpe_trials"]
+        lines += [
+            "",
+            f"TPE, per seed: trials {[x['trials'] for x in t]}, pruned {[x['pruned'] for x in t]}, "
+            f"drawn from its model {[x['guided'] for x in t]} (the first at generation "
+            f"{[x['first_guided_generation'] for x in t]})",
+        ]
     if summary["diffs"]:
         lines += [
             "",
@@ -813,6 +850,11 @@ def report(args: argparse.Namespace, shape: Shape, groups: dict) -> list[dict]:
             curves.append(score(dirs, curve, test))
         target = args.target.get(task, math.nan) if isinstance(args.target, dict) else math.nan
         summary = summarize(curves, task, target)
+        summary["tpe_trials"] = [
+            tpe_trials(dirs[0], shape.startup_trials)
+            for (t, s, _), dirs in sorted(groups.items())
+            if t == task and s == "tpe"
+        ]
         summaries.append(summary)
         print(f"\n## {task}\n\n{format_summary(summary)}\n", flush=True)
     stem = out / f"proof_{args.shape}"
