@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -485,3 +486,18 @@ def test_truncation_from_the_manifest() -> None:
     bad = {"population": {"size": 8, "selection": "truncation", "truncation_fraction": 0.9}}
     with pytest.raises(ConfigError, match=r"truncation_fraction \(0.9\)"):
         manifest_from_dict(bad, ".")
+
+
+def test_ready_generations_keeps_every_lineage_until_the_burn_in_ends() -> None:
+    def population(generation: int, histories: list[list[float]]) -> list[MemberRecord]:
+        return [replace(m, generation=generation) for m in make_population(histories)]
+
+    selection = TruncationSelection(0.25, 4, ready_generations=3)
+    early = selection.select(population(1, [[0.5], [0.9], [0.1], [0.7]]), random.Random(0))
+    assert all(s.survivor for s in early)  # two generations trained: nobody replaced
+    collapsed = selection.select(population(1, [[0.5], [0.9], [], [0.7]]), random.Random(0))
+    assert collapsed[2].parent.member_id == "m1"  # an unevaluated member still is
+    ready = selection.select(population(2, [[0.5], [0.9], [0.1], [0.7]]), random.Random(0))
+    assert ready[2].parent.member_id == "m1" and not ready[2].survivor
+    with pytest.raises(ConfigError, match=r"population.ready_generations \(-1\)"):
+        TruncationSelection(0.25, 4, ready_generations=-1)

@@ -22,6 +22,9 @@ class PopulationConfig:
     exploit_gap: float = 0.0
     """Truncation: a bottom member is replaced only when its new parent's fitness is more than
     this above its own (set it near the evaluation's noise to exploit only real differences)."""
+    ready_generations: int = 0
+    """Truncation: nobody is replaced before the population has trained this many generations
+    (a burn-in: slow starters are not cut early); a collapsed or unevaluated member still is."""
     tournament_size: int = 2
     elitism: bool = True
     """Keep the best member unchanged into the next generation (tournament)."""
@@ -49,7 +52,9 @@ class PopulationConfig:
         positive(problems, f"{prefix}.size", self.size)
         positive(problems, f"{prefix}.evo_steps", self.evo_steps)
         if self.selection == "truncation":
-            problems += truncation_problems(self.truncation_fraction, self.exploit_gap)
+            problems += truncation_problems(
+                self.truncation_fraction, self.exploit_gap, self.ready_generations
+            )
         positive(problems, f"{prefix}.fitness_window", self.fitness_window)
         return problems
 
@@ -348,7 +353,7 @@ def selection_problems(
     return problems
 
 
-def truncation_problems(fraction: float, min_gap: float) -> list[str]:
+def truncation_problems(fraction: float, min_gap: float, ready: int = 0) -> list[str]:
     """The rules of truncation selection's arguments, each naming its ``population.`` key."""
     problems = []
     if (
@@ -362,6 +367,11 @@ def truncation_problems(fraction: float, min_gap: float) -> list[str]:
         )
     if isinstance(min_gap, bool) or not isinstance(min_gap, int | float) or not min_gap >= 0:
         problems.append(f"population.exploit_gap ({min_gap!r}) must be a number >= 0; use 0")
+    if not is_int(ready) or ready < 0:
+        problems.append(
+            f"population.ready_generations ({ready!r}) must be an integer >= 0; use 0 (no "
+            "burn-in) or a few generations"
+        )
     return problems
 
 

@@ -21,7 +21,11 @@ def build_selection(manifest: Manifest) -> TournamentSelection | TruncationSelec
     pop = manifest.population
     if pop.selection == "truncation":
         return TruncationSelection(
-            pop.truncation_fraction, pop.size, pop.fitness_window, pop.exploit_gap
+            pop.truncation_fraction,
+            pop.size,
+            pop.fitness_window,
+            pop.exploit_gap,
+            pop.ready_generations,
         )
     return TournamentSelection(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
 

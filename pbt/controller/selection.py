@@ -12,7 +12,10 @@ Truncation selection is the exploit step of the original PBT (Jaderberg et al., 
 members in the bottom ``fraction`` by fitness are replaced by copies of members drawn uniformly
 from the top ``fraction``, and everyone else continues its own lineage unchanged (a survivor,
 which mutation leaves alone). With ``min_gap`` a bottom member is replaced only when the drawn
-parent is more than ``min_gap`` fitter (an exploit on a real difference, not on evaluation noise).
+parent is more than ``min_gap`` fitter (an exploit on a real difference, not on evaluation noise),
+and with ``ready_generations`` r nobody is replaced before every lineage has trained r
+generations (a burn-in against PBT's short-horizon bias: a configuration that starts slowly is
+not cut before it shows its worth).
 
 Every random choice goes through the ``random.Random`` passed to :meth:`select`, so a campaign
 seeded once makes the same choices on every run. Controller code: no torch.
@@ -136,15 +139,22 @@ class TruncationSelection:
         fitness_window: How many of each member's latest evaluations are averaged.
         min_gap: A bottom member is replaced only when its drawn parent's fitness exceeds its
             own by more than this (0: always).
+        ready_generations: No member is replaced while the population has trained fewer
+            generations than this (0: from the first selection on).
 
     Raises:
         ConfigError: Listing every argument that breaks a rule.
     """
 
     def __init__(
-        self, fraction: float, population_size: int, fitness_window: int = 1, min_gap: float = 0.0
+        self,
+        fraction: float,
+        population_size: int,
+        fitness_window: int = 1,
+        min_gap: float = 0.0,
+        ready_generations: int = 0,
     ) -> None:
-        problems = truncation_problems(fraction, min_gap)
+        problems = truncation_problems(fraction, min_gap, ready_generations)
         problems += selection_problems(1, False, population_size, fitness_window)
         if problems:
             raise ConfigError(problems)
@@ -152,6 +162,7 @@ class TruncationSelection:
         self.population_size = population_size
         self.fitness_window = fitness_window
         self.min_gap = min_gap
+        self.ready_generations = ready_generations
 
     def select(self, population, rng: random.Random | None = None):
         """The parents of the next generation, in slot order: slot ``i`` is member ``i`` itself
@@ -174,6 +185,9 @@ class TruncationSelection:
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         cut = min(len(order) // 2, max(1, round(self.fraction * len(order))))
         top, bottom = order[:cut], set(order[len(order) - cut :]) if cut else set()
+        trained = 1 + max((m.generation for m in population), default=0)
+        if trained < self.ready_generations:
+            bottom = {i for i in bottom if not math.isfinite(scores[i])}
         chosen = []
         for i, member in enumerate(population):
             if i in bottom:
