@@ -49,7 +49,12 @@ from pathlib import Path
 
 import yaml
 
-STRATEGIES = ("pbt", "random", "tpe", "default")
+STRATEGIES = ("pbt", "pbt_ready", "random", "tpe", "default")
+COMPARED = ("pbt", "random", "tpe", "default")
+"""What ``compare`` runs unless told; ``pbt_ready`` is PBT with a burn-in of
+:data:`READY_GENERATIONS` generations before the first exploit."""
+PBT_VARIANTS = ("pbt", "pbt_ready")
+READY_GENERATIONS = 3
 TASKS = ("addition", "chain_sum")
 BENCH = Path(__file__).resolve().parent
 
@@ -293,11 +298,13 @@ def strategy_manifests(
     """The campaigns of one strategy for one seed (``default``: one per slot); together they
     train ``shape.slots x shape.steps`` member-steps."""
     m = base_manifest(task, shape, model, data, device, seed)
-    if strategy == "pbt":
+    if strategy in PBT_VARIANTS:
         m["population"] |= {"init_sampler": "random"} | PBT_SETTINGS["population"]
         m["mutation"] |= PBT_SETTINGS["mutation"]
         for key, value in shape.pbt.items():
             m[key] = m[key] | value
+        if strategy == "pbt_ready":
+            m["population"]["ready_generations"] = READY_GENERATIONS
         return [m]
     if strategy in ("random", "tpe"):
         m["search"] = {
@@ -629,14 +636,14 @@ def summarize(curves: list[Curve], task: str, target: float) -> dict:
             "budget": statistics.fmean(c.steps[-1] for c in cs),
             "wall_s": statistics.fmean(c.wall_s for c in cs),
         }
-    diffs = {}
-    if "pbt" in rows:
+    diffs: dict[str, dict] = {}
+    for p in (p for p in PBT_VARIANTS if p in rows):
         for s in strategies:
-            if s == "pbt" or rows[s]["seeds"] != rows["pbt"]["seeds"]:
+            if s in PBT_VARIANTS or rows[s]["seeds"] != rows[p]["seeds"]:
                 continue
-            d = [a - b for a, b in zip(rows["pbt"]["test"], rows[s]["test"], strict=True)]
+            d = [a - b for a, b in zip(rows[p]["test"], rows[s]["test"], strict=True)]
             wins = sum(x > 0 for x in d)
-            diffs[s] = {"diff": d, "ci": bootstrap_ci(d), "wins": wins}
+            diffs.setdefault(p, {})[s] = {"diff": d, "ci": bootstrap_ci(d), "wins": wins}
     return {"task": task, "target": target, "rows": rows, "diffs": diffs}
 
 
@@ -678,14 +685,16 @@ def format_summary(summary: dict) -> str:
     if summary["diffs"]:
         lines += [
             "",
-            "| PBT minus | paired difference of test reward, mean [95% CI] | seeds PBT ahead |",
+            "| difference | paired difference of test reward, mean [95% CI] | seeds ahead |",
             "|---|---|---|",
         ]
-        for s, d in summary["diffs"].items():
-            m, lo, hi = d["ci"]
-            lines.append(
-                f"| {s} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] | {d['wins']}/{len(d['diff'])} |"
-            )
+        for p, against in summary["diffs"].items():
+            for s, d in against.items():
+                m, lo, hi = d["ci"]
+                lines.append(
+                    f"| {p} - {s} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                    f"{d['wins']}/{len(d['diff'])} |"
+                )
     return "\n".join(lines)
 
 
@@ -700,7 +709,7 @@ def plot_curves(curves: list[Curve], task: str, target: float, path: Path) -> Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    colors = dict(zip(STRATEGIES, ("C3", "C0", "C2", "C7"), strict=True))
+    colors = dict(zip(STRATEGIES, ("C3", "C1", "C0", "C2", "C7"), strict=True))
     for strategy in STRATEGIES:
         mine = [c for c in curves if c.strategy == strategy and c.task == task]
         if not mine:
@@ -988,7 +997,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="cpu", choices=list(SHAPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=list(COMPARED), choices=STRATEGIES)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--seeds-from", type=int, default=0, help="first seed")
     parser.add_argument("--steps", type=int, help="T; default: the shape's")

@@ -37,6 +37,11 @@ def test_every_strategy_plans_n_times_t_member_steps(shape: str, task: str, tmp_
         assert planned == s.slots * s.steps
         assert max(m.population.size for m in manifests) <= s.slots
         assert all(m.algorithm.collapse_patience is None for m in manifests)
+    ready = manifest_from_dict(
+        harness.strategy_manifests("pbt_ready", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
+    )
+    assert ready.population.selection == "truncation"
+    assert ready.population.ready_generations == harness.READY_GENERATIONS
     tpe = manifest_from_dict(
         harness.strategy_manifests("tpe", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
     )
@@ -88,8 +93,8 @@ def test_bootstrap_ci_and_the_target_censored_at_the_budget() -> None:
     assert summary["rows"]["pbt"]["reached"] == 1
     assert summary["rows"]["pbt"]["to_target_mean"] == pytest.approx((16 + 16) / 2)
     assert summary["rows"]["random"]["to_target"] == [16, math.inf]
-    assert summary["diffs"]["random"]["diff"] == pytest.approx([0.2, 0.1])
-    assert summary["diffs"]["random"]["wins"] == 2
+    assert summary["diffs"]["pbt"]["random"]["diff"] == pytest.approx([0.2, 0.1])
+    assert summary["diffs"]["pbt"]["random"]["wins"] == 2
     table = harness.format_summary(summary).splitlines()
     assert sum(line.startswith("| pbt |") for line in table) == 1
 
