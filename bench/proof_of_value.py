@@ -1,7 +1,7 @@
 """Proof of value: with N slots for T steps each, is the best model better from PBT than from the
 library's defaults, random search, or Optuna TPE with pruning, each on the same N x T steps?
 
-    python bench/proof_of_value.py sweep --task addition          # sensitivity: lr x temperature
+    python bench/proof_of_value.py sweep --tasks addition         # sensitivity: lr x temperature
     python bench/proof_of_value.py compare --seeds 5 --parallel 2 # both tasks, 4 strategies
     python bench/proof_of_value.py compare --shape micro --seeds 1 --parallel 2   # a dry run
     python bench/proof_of_value.py compare --shape h200 --device cuda --parallel 1 --seeds 5
@@ -11,7 +11,10 @@ processes) and trains exactly ``slots x steps`` member-steps, at most ``slots`` 
 time (a campaign trains one generation of at most ``slots`` members, then selects):
 
 - ``pbt``: population ``slots``, ``steps / evo_steps`` generations of ``evo_steps`` steps;
-  generation 0 drawn at random from the search space, then the shape's selection and mutation.
+  generation 0 drawn at random from the search space, then truncation selection (the bottom
+  quarter copies the top quarter) and mutation of the copies (:data:`PBT_SETTINGS`).
+- ``pbt_ready``: ``pbt`` with ``population.ready_generations`` 3: nobody is replaced before
+  every lineage has trained 3 generations (not run unless named in ``--strategies``).
 - ``random``: the ``optuna`` strategy, sampler ``random``, no pruner, trials as long as the
   campaign: ``slots`` trials of ``steps`` steps, one per slot.
 - ``tpe``: the ``optuna`` strategy, sampler ``tpe`` (multivariate, constant liar), successive
@@ -666,9 +669,7 @@ def format_summary(summary: dict) -> str:
         extra = ""
         if s == "default":
             dm, dlo, dhi = r["test_mean_runs"]
-            extra = (
-                f" (best of {len(r['seeds'])} x runs; a run's mean {dm:.3f} [{dlo:.3f}, {dhi:.3f}])"
-            )
+            extra = f" (the best run by eval; all runs' mean {dm:.3f} [{dlo:.3f}, {dhi:.3f}])"
         lines.append(
             f"| {s} | {m:.3f} [{lo:.3f}, {hi:.3f}]{extra} | {r['eval_ci'][0]:.3f} | "
             f"{r['budget']:.0f} | {r['reached']}/{len(r['seeds'])} | "
