@@ -242,6 +242,43 @@ def test_hyperband_prunes_the_poor_trials(tmp_path: Path) -> None:
     assert all(stopped_at[m] == 3 for m, s in states.items() if s == "COMPLETE")
 
 
+def test_successive_halving_prunes_in_lockstep_without_complete_trials(tmp_path: Path) -> None:
+    """Eight trials reported generation by generation in slot order, as the campaign reports
+    them: the pruner decides at the second report already, with no trial complete. It is
+    asynchronous successive halving: a trial is kept when it is in the top third of those that
+    reached the rung before it, so here (best first) the first is kept and later ones pruned."""
+    search = _search(tmp_path, pruner="successive_halving", max_generations=8)
+    members = [f"m{i}" for i in range(8)]
+    for m in members:
+        search.trial_for(m)
+    stopped = {}
+    for generation in range(2):
+        for i, m in enumerate(members):
+            if m not in stopped and search.report(m, 1 - 0.1 * i + 0.01 * generation, generation):
+                stopped[m] = generation
+    states = _states(search.study)
+    assert not any(s == "COMPLETE" for s in states.values())
+    assert set(stopped.values()) == {1}  # none after one report, some after two
+    assert states["m0"] == "RUNNING"  # the best is never pruned
+    assert sum(s == "PRUNED" for s in states.values()) >= 3
+
+
+def test_tpe_guides_new_trials_once_startup_trials_are_pruned(tmp_path: Path) -> None:
+    """Pruned trials count toward TPE's startup: while fewer than ``startup_trials`` have
+    finished, TPE draws what random search of the same seed draws; after four are pruned its
+    next trial is its own."""
+    (tmp_path / "tpe").mkdir()
+    (tmp_path / "rnd").mkdir()
+    tpe = _search(tmp_path / "tpe", sampler="tpe", pruner="successive_halving", startup_trials=4)
+    rnd = _search(tmp_path / "rnd", sampler="random", pruner="none", startup_trials=4)
+    for i in range(4):
+        assert tpe.trial_for(f"m{i}") == rnd.trial_for(f"m{i}")
+        for search in (tpe, rnd):
+            search.report(f"m{i}", float(i), 0)
+            search.finish(f"m{i}", None, "pruned")
+    assert tpe.trial_for("m4") != rnd.trial_for("m4")
+
+
 def test_max_generations_completes_and_report_is_idempotent(tmp_path: Path) -> None:
     search = _search(tmp_path, pruner="none", max_generations=2)
     search.trial_for("a")

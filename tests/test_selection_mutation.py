@@ -7,13 +7,14 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
 from pbt.controller.mutation import Mutations
-from pbt.controller.selection import Selected, TournamentSelection
+from pbt.controller.selection import Selected, TournamentSelection, TruncationSelection
 from pbt.protocol.records import MemberRecord
 
 
@@ -418,3 +419,85 @@ def test_all_mutation_problems_are_reported_together() -> None:
 def test_controller_modules_do_not_import_torch() -> None:
     code = "import sys, pbt.controller.selection, pbt.controller.mutation; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- truncation selection ------------------------------------------------------------------
+
+
+def test_truncation_replaces_the_bottom_quarter_with_top_quarter_copies() -> None:
+    pop = make_population([[f] for f in (0.5, 0.9, 0.1, 0.7, 0.3, 0.8, 0.2, 0.6)])
+    selected = TruncationSelection(0.25, 8).select(pop, random.Random(0))
+    # bottom two: m2 (0.1), m6 (0.2); top two: m1 (0.9), m5 (0.8)
+    for slot, choice in enumerate(selected):
+        if slot in (2, 6):
+            assert choice.parent.member_id in ("m1", "m5") and not choice.survivor
+        else:
+            assert choice.parent.member_id == f"m{slot}" and choice.survivor
+    assert not any(s.is_elite for s in selected)
+
+
+def test_truncation_survivors_are_not_mutated_and_copies_are() -> None:
+    pop = make_population([[f] for f in (0.5, 0.9, 0.1, 0.7)])
+    selected = TruncationSelection(0.25, 4).select(pop, random.Random(1))
+    mutated = always_mutate(lr=HPRange(min=1e-5, max=1.0)).mutate_population(
+        selected, random.Random(2)
+    )
+    assert [how for _, how in mutated].count("none (survivor)") == 3
+    assert mutated[2][1].startswith("lr ")  # m2, the worst, copied m1 and perturbed its lr
+
+
+def test_exploit_gap_keeps_a_bottom_member_that_is_close_enough() -> None:
+    pop = make_population([[0.50], [0.52], [0.30], [0.51]])
+    near = TruncationSelection(0.25, 4, min_gap=0.05).select(pop, random.Random(0))
+    # bottom m2 (0.30) is 0.22 below m1: replaced; raise the gap past it and m2 survives
+    assert near[2].parent.member_id == "m1"
+    far = TruncationSelection(0.25, 4, min_gap=0.3).select(pop, random.Random(0))
+    assert far[2].parent.member_id == "m2" and far[2].survivor
+
+
+def test_truncation_replaces_a_collapsed_or_unevaluated_member_whatever_the_gap() -> None:
+    pop = make_population([[0.5], [0.6], [], [0.4]])
+    selected = TruncationSelection(0.25, 4, min_gap=10.0).select(pop, random.Random(0))
+    assert selected[2].parent.member_id == "m1"
+
+
+@pytest.mark.parametrize(
+    ("fraction", "gap", "needle"),
+    [
+        (0.0, 0.0, "population.truncation_fraction (0.0) must be in (0, 0.5]"),
+        (0.75, 0.0, "population.truncation_fraction (0.75) must be in (0, 0.5]"),
+        (0.25, -1.0, "population.exploit_gap (-1.0) must be a number >= 0"),
+    ],
+)
+def test_truncation_errors_name_key_value_and_fix(fraction: float, gap: float, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        TruncationSelection(fraction, 4, min_gap=gap)
+    assert needle in str(err.value)
+
+
+def test_truncation_from_the_manifest() -> None:
+    from pbt.config.loader import manifest_from_dict
+    from pbt.controller.population import build_selection
+
+    raw = {"population": {"size": 8, "selection": "truncation", "exploit_gap": 0.02}}
+    selection = build_selection(manifest_from_dict(raw, "."))
+    assert isinstance(selection, TruncationSelection)
+    assert (selection.fraction, selection.min_gap) == (0.25, 0.02)
+    bad = {"population": {"size": 8, "selection": "truncation", "truncation_fraction": 0.9}}
+    with pytest.raises(ConfigError, match=r"truncation_fraction \(0.9\)"):
+        manifest_from_dict(bad, ".")
+
+
+def test_ready_generations_keeps_every_lineage_until_the_burn_in_ends() -> None:
+    def population(generation: int, histories: list[list[float]]) -> list[MemberRecord]:
+        return [replace(m, generation=generation) for m in make_population(histories)]
+
+    selection = TruncationSelection(0.25, 4, ready_generations=3)
+    early = selection.select(population(1, [[0.5], [0.9], [0.1], [0.7]]), random.Random(0))
+    assert all(s.survivor for s in early)  # two generations trained: nobody replaced
+    collapsed = selection.select(population(1, [[0.5], [0.9], [], [0.7]]), random.Random(0))
+    assert collapsed[2].parent.member_id == "m1"  # an unevaluated member still is
+    ready = selection.select(population(2, [[0.5], [0.9], [0.1], [0.7]]), random.Random(0))
+    assert ready[2].parent.member_id == "m1" and not ready[2].survivor
+    with pytest.raises(ConfigError, match=r"population.ready_generations \(-1\)"):
+        TruncationSelection(0.25, 4, ready_generations=-1)

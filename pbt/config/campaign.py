@@ -14,9 +14,20 @@ class PopulationConfig:
     """The population of a campaign and how it is selected."""
 
     size: int = 4
+    selection: Literal["tournament", "truncation"] = "tournament"
+    """``tournament``: every slot but the elite's is the winner of a tournament (AgileRL's).
+    ``truncation``: the bottom ``truncation_fraction`` copy members of the top one and mutate;
+    the rest continue unchanged (the original PBT's exploit)."""
+    truncation_fraction: float = 0.25
+    exploit_gap: float = 0.0
+    """Truncation: a bottom member is replaced only when its new parent's fitness is more than
+    this above its own (set it near the evaluation's noise to exploit only real differences)."""
+    ready_generations: int = 0
+    """Truncation: nobody is replaced before the population has trained this many generations
+    (a burn-in: slow starters are not cut early); a collapsed or unevaluated member still is."""
     tournament_size: int = 2
     elitism: bool = True
-    """Keep the best member unchanged into the next generation."""
+    """Keep the best member unchanged into the next generation (tournament)."""
     fitness_window: int = 1
     """Fitness is the mean of this many latest evaluations."""
     evo_steps: int = 10
@@ -40,6 +51,10 @@ class PopulationConfig:
             )
         positive(problems, f"{prefix}.size", self.size)
         positive(problems, f"{prefix}.evo_steps", self.evo_steps)
+        if self.selection == "truncation":
+            problems += truncation_problems(
+                self.truncation_fraction, self.exploit_gap, self.ready_generations
+            )
         positive(problems, f"{prefix}.fitness_window", self.fitness_window)
         return problems
 
@@ -75,7 +90,10 @@ class SearchConfig:
     reported after each; pruned and finished trials make way for new ones."""
     sampler: Literal["tpe", "gp", "random", "qmc"] = "tpe"
     """How the ``optuna`` strategy picks each new trial's hyperparameters."""
-    pruner: Literal["median", "hyperband", "none"] = "median"
+    pruner: Literal["median", "hyperband", "successive_halving", "none"] = "median"
+    """``median`` prunes against complete trials only, so with every slot's trial as long as the
+    campaign it never prunes; ``successive_halving`` and ``hyperband`` compare trials at the
+    same generation and free slots early."""
     trial_generations: int = 4
     """Generations one trial trains at most (the pruner's full budget)."""
     startup_trials: int = 4
@@ -331,6 +349,28 @@ def selection_problems(
         problems.append(
             f"population.tournament_size ({tournament_size}) must be <= population_size "
             f"({population_size}); lower tournament_size"
+        )
+    return problems
+
+
+def truncation_problems(fraction: float, min_gap: float, ready: int = 0) -> list[str]:
+    """The rules of truncation selection's arguments, each naming its ``population.`` key."""
+    problems = []
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, int | float)
+        or not (0 < fraction <= 0.5)
+    ):
+        problems.append(
+            f"population.truncation_fraction ({fraction!r}) must be in (0, 0.5]; use 0.25 "
+            "(the bottom quarter copies the top quarter)"
+        )
+    if isinstance(min_gap, bool) or not isinstance(min_gap, int | float) or not min_gap >= 0:
+        problems.append(f"population.exploit_gap ({min_gap!r}) must be a number >= 0; use 0")
+    if not is_int(ready) or ready < 0:
+        problems.append(
+            f"population.ready_generations ({ready!r}) must be an integer >= 0; use 0 (no "
+            "burn-in) or a few generations"
         )
     return problems
 

@@ -94,8 +94,14 @@ class Mutations:
     def mutate_population(
         self, selected: list[Selected], rng: random.Random
     ) -> list[tuple[dict[str, float], str]]:
-        """:meth:`mutate` applied to each selected parent, in order, with its elite flag."""
-        return [self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite) for s in selected]
+        """:meth:`mutate` applied to each selected parent, in order, with its elite flag; a
+        survivor of truncation selection keeps its values (``"none (survivor)"``)."""
+        return [
+            (dict(s.parent.hyperparameters), "none (survivor)")
+            if s.survivor
+            else self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite)
+            for s in selected
+        ]
 
     def mutation(self, population, rng: random.Random | None = None):
         """AgileRL's call on a library-mode population: each agent keeps or changes one

@@ -12,13 +12,21 @@ from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller.mutation import Mutations
 from pbt.controller.search import sample_initial
-from pbt.controller.selection import Selected, TournamentSelection
+from pbt.controller.selection import Selected, TournamentSelection, TruncationSelection
 from pbt.protocol.records import MemberRecord, member_id
 
 
-def build_selection(manifest: Manifest) -> TournamentSelection:
-    """Tournament selection as the manifest's population section says."""
+def build_selection(manifest: Manifest) -> TournamentSelection | TruncationSelection:
+    """Tournament or truncation selection as the manifest's population section says."""
     pop = manifest.population
+    if pop.selection == "truncation":
+        return TruncationSelection(
+            pop.truncation_fraction,
+            pop.size,
+            pop.fitness_window,
+            pop.exploit_gap,
+            pop.ready_generations,
+        )
     return TournamentSelection(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
 
 
@@ -108,7 +116,10 @@ def breed(
     """
     if mutations is None:
         mutated = [
-            (dict(s.parent.hyperparameters), "none (elite)" if s.is_elite else "none")
+            (
+                dict(s.parent.hyperparameters),
+                "none (elite)" if s.is_elite else ("none (survivor)" if s.survivor else "none"),
+            )
             for s in selected
         ]
     else:

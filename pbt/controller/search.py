@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 INITIAL_SAMPLERS = ("random", "qmc", "tpe")
 SEARCH_SAMPLERS = ("tpe", "gp", "random", "qmc")
-PRUNERS = ("median", "hyperband", "none")
+PRUNERS = ("median", "hyperband", "successive_halving", "none")
 FINISH_STATES = ("complete", "pruned", "fail")
 MEMBER_ATTR = "member_id"
 
@@ -183,7 +183,9 @@ class OptunaSearch:
         study_name: The study, created when missing (direction: maximize).
         sampler: ``tpe`` (multivariate, constant liar), ``gp`` (needs torch and scipy),
             ``random`` or ``qmc``.
-        pruner: ``median``, ``hyperband`` (resource = generations) or ``none``.
+        pruner: ``median``, ``hyperband`` (resource = generations), ``successive_halving``
+            (keeps the top third of the trials at 2, 4, 10, ... generations; decides from the
+            second generation on, with no complete trial needed) or ``none``.
         seed: Seed of the sampler.
         max_generations: A trial's length in generations; hyperband's ``max_resource``.
         startup_trials: Complete trials before the median pruner prunes and TPE or GP model.
@@ -404,6 +406,8 @@ def _pruner(name: str, max_generations: int, startup_trials: int) -> Any:
         return pruners.HyperbandPruner(
             min_resource=1, max_resource=max_generations, reduction_factor=3
         )
+    if name == "successive_halving":
+        return pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
     return pruners.NopPruner()
 
 

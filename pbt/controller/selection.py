@@ -1,4 +1,4 @@
-"""Tournament selection of the next generation's parents, with AgileRL semantics.
+"""Selection of the next generation's parents: tournament (AgileRL's semantics) or truncation.
 
 With elitism, slot 0 is the single best member by mean fitness over its last
 ``fitness_window`` evaluations (ties go to the lowest index); every other slot is filled by a
@@ -7,6 +7,15 @@ tournament: ``tournament_size`` members drawn uniformly without replacement, the
 loses to any member that has; so does a collapsed one (its task ended for lack of signal,
 :mod:`pbt.protocol.collapse`), whatever fitness it measured: it is never the elite nor a
 tournament's winner while any other member can be.
+
+Truncation selection is the exploit step of the original PBT (Jaderberg et al., 2017): the
+members in the bottom ``fraction`` by fitness are replaced by copies of members drawn uniformly
+from the top ``fraction``, and everyone else continues its own lineage unchanged (a survivor,
+which mutation leaves alone). With ``min_gap`` a bottom member is replaced only when the drawn
+parent is more than ``min_gap`` fitter (an exploit on a real difference, not on evaluation noise),
+and with ``ready_generations`` r nobody is replaced before every lineage has trained r
+generations (a burn-in against PBT's short-horizon bias: a configuration that starts slowly is
+not cut before it shows its worth).
 
 Every random choice goes through the ``random.Random`` passed to :meth:`select`, so a campaign
 seeded once makes the same choices on every run. Controller code: no torch.
@@ -18,7 +27,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from pbt.config.campaign import selection_problems
+from pbt.config.campaign import selection_problems, truncation_problems
 from pbt.config.errors import ConfigError
 from pbt.protocol.records import MemberRecord
 
@@ -31,6 +40,8 @@ class Selected:
     """The member whose checkpoint and hyperparameters the child starts from."""
     is_elite: bool
     """True for the elite slot, which mutation leaves alone unless told otherwise."""
+    survivor: bool = False
+    """Truncation selection: the member continues its own lineage, unmutated."""
 
 
 class TournamentSelection:
@@ -116,6 +127,76 @@ class TournamentSelection:
                     "pass the whole generation"
                 ]
             )
+
+
+class TruncationSelection:
+    """Replaces the bottom ``fraction`` of the population by copies of the top ``fraction``.
+
+    Args:
+        fraction: Share of the population in the top and in the bottom group, in (0, 0.5];
+            each group has ``max(1, round(fraction * population_size))`` members.
+        population_size: How many parents :meth:`select` returns.
+        fitness_window: How many of each member's latest evaluations are averaged.
+        min_gap: A bottom member is replaced only when its drawn parent's fitness exceeds its
+            own by more than this (0: always).
+        ready_generations: No member is replaced while the population has trained fewer
+            generations than this (0: from the first selection on).
+
+    Raises:
+        ConfigError: Listing every argument that breaks a rule.
+    """
+
+    def __init__(
+        self,
+        fraction: float,
+        population_size: int,
+        fitness_window: int = 1,
+        min_gap: float = 0.0,
+        ready_generations: int = 0,
+    ) -> None:
+        problems = truncation_problems(fraction, min_gap, ready_generations)
+        problems += selection_problems(1, False, population_size, fitness_window)
+        if problems:
+            raise ConfigError(problems)
+        self.fraction = fraction
+        self.population_size = population_size
+        self.fitness_window = fitness_window
+        self.min_gap = min_gap
+        self.ready_generations = ready_generations
+
+    def select(self, population, rng: random.Random | None = None):
+        """The parents of the next generation, in slot order: slot ``i`` is member ``i`` itself
+        (a survivor) or, for a bottom member, a top member drawn at random.
+
+        Args:
+            population: The evaluated members of the current generation, in slot order, or a
+                library-mode ``Population``.
+            rng: The seeded generator, the only source of randomness used.
+
+        Returns:
+            As :meth:`TournamentSelection.select`.
+        """
+        next_generation = getattr(population, "next_generation", None)
+        if next_generation is not None:
+            return next_generation(self.select(population.records(), rng or population.rng))
+        if rng is None:
+            raise TypeError("select(records, rng): a list of records needs the campaign's rng")
+        scores = [TournamentSelection._score(self, member) for member in population]  # type: ignore[arg-type]
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        cut = min(len(order) // 2, max(1, round(self.fraction * len(order))))
+        top, bottom = order[:cut], set(order[len(order) - cut :]) if cut else set()
+        trained = 1 + max((m.generation for m in population), default=0)
+        if trained < self.ready_generations:
+            bottom = {i for i in bottom if not math.isfinite(scores[i])}
+        chosen = []
+        for i, member in enumerate(population):
+            if i in bottom:
+                parent = rng.choice(top)
+                if scores[parent] - scores[i] > self.min_gap or not math.isfinite(scores[i]):
+                    chosen.append(Selected(parent=population[parent], is_elite=False))
+                    continue
+            chosen.append(Selected(parent=member, is_elite=False, survivor=True))
+        return chosen
 
 
 def _best_index(scores: list[float], candidates: list[int] | None = None) -> int:
