@@ -108,7 +108,7 @@ class TournamentSelection(campaign_selection.TournamentSelection):
 
     def _best_id(self, population: Population) -> str:
         records = population.records()
-        scores = [self._score(record) for record in records]
+        scores = [campaign_selection._score(r, self.fitness_window) for r in records]
         return records[campaign_selection._best_index(scores)].member_id
 
 

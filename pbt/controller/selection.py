@@ -96,7 +96,7 @@ class TournamentSelection:
         if rng is None:
             raise TypeError("select(records, rng): a list of records needs the campaign's rng")
         self._check_population(population)
-        scores = [self._score(member) for member in population]
+        scores = [_score(member, self.fitness_window) for member in population]
         chosen: list[Selected] = []
         if self.elitism:
             chosen.append(Selected(parent=population[_best_index(scores)], is_elite=True))
@@ -104,14 +104,6 @@ class TournamentSelection:
             winner = self._tournament(scores, rng)
             chosen.append(Selected(parent=population[winner], is_elite=False))
         return chosen
-
-    def _score(self, member: MemberRecord) -> float:
-        """Windowed mean fitness; NaN (a diverged evaluation) and a collapsed member rank with
-        the unevaluated."""
-        if member.collapsed:
-            return -math.inf
-        fitness = member.fitness(self.fitness_window)
-        return -math.inf if math.isnan(fitness) else fitness
 
     def _tournament(self, scores: list[float], rng: random.Random) -> int:
         """Index of the fittest of ``tournament_size`` members drawn without replacement."""
@@ -181,7 +173,7 @@ class TruncationSelection:
             return next_generation(self.select(population.records(), rng or population.rng))
         if rng is None:
             raise TypeError("select(records, rng): a list of records needs the campaign's rng")
-        scores = [TournamentSelection._score(self, member) for member in population]  # type: ignore[arg-type]
+        scores = [_score(member, self.fitness_window) for member in population]
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         cut = min(len(order) // 2, max(1, round(self.fraction * len(order))))
         top, bottom = order[:cut], set(order[len(order) - cut :]) if cut else set()
@@ -197,6 +189,15 @@ class TruncationSelection:
                     continue
             chosen.append(Selected(parent=member, is_elite=False, survivor=True))
         return chosen
+
+
+def _score(member: MemberRecord, window: int) -> float:
+    """Mean fitness over the latest ``window`` evaluations; NaN (a diverged evaluation) and a
+    collapsed member rank with the unevaluated."""
+    if member.collapsed:
+        return -math.inf
+    fitness = member.fitness(window)
+    return -math.inf if math.isnan(fitness) else fitness
 
 
 def _best_index(scores: list[float], candidates: list[int] | None = None) -> int:
