@@ -456,20 +456,25 @@ SERVING_MEMBER = textwrap.dedent(
 )
 
 
-def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tmp_path):
-    """One slot: three tasks on one worker; a task that crashes and one that hangs each take
-    their worker down, and a fresh worker serves the next task; close() ends the last one."""
+def serving_launcher(tmp_path: Path):
+    """One slot of long-lived workers running SERVING_MEMBER."""
     from pbt.controller.launch import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
     script.write_text(SERVING_MEMBER)
-    workers = PersistentLauncher(
+    return PersistentLauncher(
         [sys.executable, str(script), "--nproc={nproc}", "--port={port}"],
         tmp_path / "workers",
         slots=1,
         heartbeat_timeout_s=6.0,  # a worker's first heartbeat follows its imports
         poll_s=0.05,
     )
+
+
+def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tmp_path):
+    """One slot: three tasks on one worker; a task that crashes and one that hangs each take
+    their worker down, and a fresh worker serves the next task; close() ends the last one."""
+    workers = serving_launcher(tmp_path)
     behaviours = ["ok", "ok", "ok", "exit1", "ok", "hang", "ok"]
     tasks = [make_task(tmp_path, f"t{i}-{b}", b) for i, b in enumerate(behaviours)]
     try:
@@ -495,17 +500,7 @@ def test_long_lived_worker_gets_its_next_task_ahead_with_clocks_that_wait(tmp_pa
     round trip through the controller; the task handed ahead shows as queued, and its
     heartbeat clock starts only when the task before it lets go: behind a member that trains
     longer than the heartbeat timeout, it is not killed for silence."""
-    from pbt.controller.launch import PersistentLauncher
-
-    script = tmp_path / "serving_member.py"
-    script.write_text(SERVING_MEMBER)
-    workers = PersistentLauncher(
-        [sys.executable, str(script), "--nproc={nproc}", "--port={port}"],
-        tmp_path / "workers",
-        slots=1,
-        heartbeat_timeout_s=6.0,
-        poll_s=0.05,
-    )
+    workers = serving_launcher(tmp_path)
     tasks = [make_task(tmp_path, f"t{i}-{b}", b) for i, b in enumerate(["slow", "ok", "ok"])]
     polls: list[tuple[list[str], list[str]]] = []
 
