@@ -51,12 +51,21 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
+from proof_stats import (
+    PBT_VARIANTS,
+    STRATEGIES,
+    Curve,
+    envelope,
+    format_summary,
+    merge,
+    plot_curves,
+    plot_sweep,
+    summarize,
+)
 
-STRATEGIES = ("pbt", "pbt_ready", "random", "tpe", "default")
 COMPARED = ("pbt", "random", "tpe", "default")
 """What ``compare`` runs unless told; ``pbt_ready`` is PBT with a burn-in of
 :data:`READY_GENERATIONS` generations before the first exploit."""
-PBT_VARIANTS = ("pbt", "pbt_ready")
 READY_GENERATIONS = 3
 TASKS = ("addition", "chain_sum")
 BENCH = Path(__file__).resolve().parent
@@ -460,29 +469,6 @@ def spent(directory: Path) -> dict:
     }
 
 
-@dataclass(slots=True)
-class Curve:
-    """One strategy's best eval reward so far after each generation, against member-steps."""
-
-    task: str
-    strategy: str
-    seed: int
-    steps: list[int]
-    reward: list[float]
-    test_reward: float = math.nan
-    """The best member's (by eval reward) reward on the test split."""
-    test_mean: float = math.nan
-    """``default``: the mean test reward of its runs' best members."""
-    wall_s: float = math.nan
-    """Wall seconds of the strategy's campaigns (run one at a time, summed)."""
-
-    def to_target(self, target: float) -> float:
-        """Member-steps spent when the reward first reached ``target``; ``inf`` if never."""
-        return next(
-            (x for x, r in zip(self.steps, self.reward, strict=True) if r >= target), math.inf
-        )
-
-
 def read_curve(directories: list[Path], task: str, strategy: str, seed: int) -> Curve:
     """The strategy's reward-vs-compute curve from its campaigns' stores (several campaigns,
     as ``default``'s, run side by side: their generations add up)."""
@@ -590,178 +576,6 @@ def tpe_trials(directory: Path, startup_trials: int) -> dict:
         "pruned": pruned,
         "first_guided_generation": first,
     }
-
-
-# -- statistics -----------------------------------------------------------------------------
-
-
-def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 10_000) -> tuple:
-    """Mean of ``values`` and the percentile bootstrap confidence interval of that mean
-    (``scipy.stats.bootstrap``, seeded); an interval of one value is the value."""
-    import numpy as np
-    from scipy.stats import bootstrap
-
-    data = np.asarray(values, dtype=float)
-    mean = float(data.mean())
-    if len(data) < 2 or np.all(data == data[0]):
-        return mean, mean, mean
-    ci = bootstrap(
-        (data,),
-        np.mean,
-        confidence_level=level,
-        n_resamples=resamples,
-        method="percentile",
-        random_state=np.random.default_rng(0),
-    ).confidence_interval
-    return mean, float(ci.low), float(ci.high)
-
-
-def summarize(curves: list[Curve], task: str, target: float) -> dict:
-    """The task's figures: per strategy the test reward's mean and CI over seeds, compute to
-    the target, wall; per other strategy the paired difference PBT minus it with its CI."""
-    mine = [c for c in curves if c.task == task]
-    strategies = [s for s in STRATEGIES if any(c.strategy == s for c in mine)]
-    rows = {}
-    for s in strategies:
-        cs = sorted((c for c in mine if c.strategy == s), key=lambda c: c.seed)
-        to = [c.to_target(target) for c in cs]
-        rows[s] = {
-            "seeds": [c.seed for c in cs],
-            "test": [c.test_reward for c in cs],
-            "test_ci": bootstrap_ci([c.test_reward for c in cs]),
-            "test_mean_runs": bootstrap_ci([c.test_mean for c in cs]),
-            "eval_ci": bootstrap_ci([c.reward[-1] for c in cs]),
-            "reached": sum(math.isfinite(t) for t in to),
-            "to_target": to,
-            "to_target_mean": statistics.fmean(
-                min(t, c.steps[-1]) for t, c in zip(to, cs, strict=True)
-            ),
-            "budget": statistics.fmean(c.steps[-1] for c in cs),
-            "wall_s": statistics.fmean(c.wall_s for c in cs),
-        }
-    diffs: dict[str, dict] = {}
-    for p in (p for p in PBT_VARIANTS if p in rows):
-        for s in strategies:
-            if s in PBT_VARIANTS or rows[s]["seeds"] != rows[p]["seeds"]:
-                continue
-            d = [a - b for a, b in zip(rows[p]["test"], rows[s]["test"], strict=True)]
-            wins = sum(x > 0 for x in d)
-            diffs.setdefault(p, {})[s] = {"diff": d, "ci": bootstrap_ci(d), "wins": wins}
-    return {"task": task, "target": target, "rows": rows, "diffs": diffs}
-
-
-def format_summary(summary: dict) -> str:
-    """The task's tables, in Markdown."""
-    target, rows = summary["target"], summary["rows"]
-    base = rows.get("random")
-    lines = [
-        f"| strategy | test reward, mean [95% CI] | eval reward (selected on), mean | member-steps "
-        f"| seeds reaching {target:g} (eval) | member-steps to {target:g}, mean (ratio to "
-        "random) | wall per campaign set, mean |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s, r in rows.items():
-        m, lo, hi = r["test_ci"]
-        bound = "" if r["reached"] == len(r["seeds"]) else "≥ "
-        ratio = r["to_target_mean"] / base["to_target_mean"] if base else math.nan
-        exact = r["reached"] == len(r["seeds"]) and base and base["reached"] == len(base["seeds"])
-        ratio_text = f"{ratio:.2f}" if exact else f"{ratio:.2f}, bound"
-        extra = ""
-        if s == "default":
-            dm, dlo, dhi = r["test_mean_runs"]
-            extra = f" (the best run by eval; all runs' mean {dm:.3f} [{dlo:.3f}, {dhi:.3f}])"
-        lines.append(
-            f"| {s} | {m:.3f} [{lo:.3f}, {hi:.3f}]{extra} | {r['eval_ci'][0]:.3f} | "
-            f"{r['budget']:.0f} | {r['reached']}/{len(r['seeds'])} | "
-            f"{bound}{r['to_target_mean']:.0f} ({ratio_text}) | {r['wall_s']:.0f} s |"
-        )
-    if summary.get("tpe_trials"):
-        t = summary["tpe_trials"]
-        lines += [
-            "",
-            f"TPE, per seed: trials {[x['trials'] for x in t]}, pruned {[x['pruned'] for x in t]}, "
-            f"drawn from its model {[x['guided'] for x in t]} (the first at generation "
-            f"{[x['first_guided_generation'] for x in t]})",
-        ]
-    if summary["diffs"]:
-        lines += [
-            "",
-            "| difference | paired difference of test reward, mean [95% CI] | seeds ahead |",
-            "|---|---|---|",
-        ]
-        for p, against in summary["diffs"].items():
-            for s, d in against.items():
-                m, lo, hi = d["ci"]
-                lines.append(
-                    f"| {p} - {s} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                    f"{d['wins']}/{len(d['diff'])} |"
-                )
-    return "\n".join(lines)
-
-
-# -- plots ----------------------------------------------------------------------------------
-
-
-def plot_curves(curves: list[Curve], task: str, target: float, path: Path) -> Path:
-    """Best eval reward so far against member-steps: each seed thin, the mean thick."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    colors = dict(zip(STRATEGIES, ("C3", "C1", "C0", "C2", "C7"), strict=True))
-    for strategy in STRATEGIES:
-        mine = [c for c in curves if c.strategy == strategy and c.task == task]
-        if not mine:
-            continue
-        for c in mine:
-            ax.step(c.steps, c.reward, where="post", color=colors[strategy], alpha=0.2, lw=0.8)
-        grid = sorted({x for c in mine for x in c.steps})
-        mean = [statistics.fmean(_at(c, x) for c in mine) for x in grid]
-        style = "--" if strategy == "random" else "-"
-        ax.step(grid, mean, style, where="post", color=colors[strategy], lw=2, label=strategy)
-    ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:g}")
-    ax.set_title(task)
-    ax.set_xlabel("compute: member training steps")
-    ax.set_ylabel("best eval reward so far")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _at(curve: Curve, x: int) -> float:
-    values = [r for s, r in zip(curve.steps, curve.reward, strict=True) if s <= x]
-    return values[-1] if values else curve.reward[0]
-
-
-def plot_sweep(
-    grid: dict[tuple[float, float], list[float]], steps: list[int], task: str, path: Path
-) -> Path:
-    """The sweep's eval reward after each generation, one line per (lr, temperature)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    temps = sorted({t for _, t in grid})
-    fig, axes = plt.subplots(1, len(temps), figsize=(3.2 * len(temps), 3.2), dpi=90, sharey=True)
-    for ax, temp in zip(axes, temps, strict=True):
-        for (lr, t), rewards in sorted(grid.items()):
-            if t == temp:
-                ax.plot(steps[: len(rewards)], rewards, marker="o", ms=2, label=f"lr {lr:g}")
-        ax.set_title(f"{task}, temperature {temp:g}")
-        ax.set_xlabel("steps")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("eval reward")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 # -- the commands ---------------------------------------------------------------------------
@@ -896,6 +710,42 @@ def plot(results: Path) -> list[Path]:
     return paths
 
 
+def merged(args: argparse.Namespace) -> None:
+    """``compare`` result files of one shape as one (``--out`` is the merged file's path):
+    the tables and plots over all their seeds."""
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise SystemExit(f"merge: --out {out} must name the merged .json file")
+    data = merge([Path(f) for f in args.files], args.target)
+    out.write_text(json.dumps(data, default=str))
+    text = "\n\n".join(f"## {s['task']}\n\n{format_summary(s)}" for s in data["summaries"])
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text, flush=True)
+    print("\n".join(map(str, plot(out))))
+
+
+def envelopes(args: argparse.Namespace) -> None:
+    """For each sweep file: the best eval reward of any fixed configuration after each
+    generation, and the member-steps before one of them reaches the task's ``--target`` when
+    it runs in all ``--slots`` slots (the least any strategy that keeps one configuration
+    spends, lineages being as deep as the member-steps spent over the slots)."""
+    slots = resolve_shape(args).slots
+    for path in map(Path, args.files):
+        task = path.stem.split("_", 2)[2]
+        if task not in args.target:
+            raise SystemExit(f"envelope: no --target for {task} (e.g. --target {task}=0.6)")
+        e = envelope(path, args.target[task], slots)
+        best = " ".join(f"{d}:{r:.3f}" for d, r in zip(e["depths"], e["best"], strict=True))
+        print(f"{task}: best of any configuration after each depth {best}")
+        if e["depth"] is None:
+            print(f"  no configuration reaches {args.target[task]:g}")
+        else:
+            print(
+                f"  first at {args.target[task]:g}: {e['config']} after {e['depth']} steps; "
+                f"{slots} slots of it reach it after {e['member_steps']} member-steps"
+            )
+
+
 def sweep(args: argparse.Namespace) -> None:
     """Sensitivity of one member to lr and temperature over the comparison's T steps: one
     campaign of one member per pair, its eval reward after every k steps."""
@@ -990,9 +840,14 @@ def _targets(text: str | None) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["compare", "sweep", "plot", "campaign"])
     parser.add_argument(
-        "manifest", nargs="?", help="campaign: the manifest to run; plot: a compare result file"
+        "command", choices=["compare", "sweep", "plot", "merge", "envelope", "campaign"]
+    )
+    parser.add_argument(
+        "files",
+        nargs="*",
+        help="campaign: the manifest to run; plot: a compare result file; merge: compare result "
+        "files of one shape (--out names the merged file); envelope: sweep files (sweep_*.txt)",
     )
     parser.add_argument("--dir", help="campaign: its directory")
     parser.add_argument("--shape", default="cpu", choices=list(SHAPES))
@@ -1037,9 +892,13 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "sweep":
         sweep(args)
     elif args.command == "plot":
-        print("\n".join(map(str, plot(Path(args.manifest)))))
+        print("\n".join(map(str, plot(Path(args.files[0])))))
+    elif args.command == "merge":
+        merged(args)
+    elif args.command == "envelope":
+        envelopes(args)
     else:
-        run_one(Path(args.manifest), Path(args.dir))
+        run_one(Path(args.files[0]), Path(args.dir))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ campaign. Not the scientific result (bench/RESULTS.md has that)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import proof_of_value as harness
+import proof_stats as stats
 
 from pbt.algorithms.member import load_data
 from pbt.config.loader import manifest_from_dict
@@ -61,9 +63,15 @@ def test_splits_are_disjoint_and_the_test_rows_are_not_written(task: str, tmp_pa
     assert not questions["test"] & questions["eval"]
     assert not questions["test"] & questions["train"]
     assert not questions["eval"] & questions["train"]
-    harness.write_task_files(task, shape, tmp_path)
+    data = harness.write_task_files(task, shape, tmp_path)
     written = "".join(p.read_text() for p in tmp_path.iterdir())
     assert not any(f'"{q}"' in written for q in questions["test"])
+    # what a campaign of this task loads to train and select on holds no test row
+    raw = harness.strategy_manifests("pbt", task, shape, "builtin:tiny", data, "cpu", 0)[0]
+    loaded = load_data(manifest_from_dict(raw, base_dir="."))
+    seen = {e.question for e in loaded.eval} | {e.question for e in loaded.train}
+    assert not seen & questions["test"]
+    assert {e.question for e in loaded.eval} == questions["eval"]
     with pytest.raises(ValueError, match="test_size"):
         harness.task_splits(task, replace(shape, eval_size=1000, test_size=256))
 
@@ -80,30 +88,82 @@ def test_evo_steps_must_divide_steps() -> None:
 
 
 def test_bootstrap_ci_and_the_target_censored_at_the_budget() -> None:
-    mean, low, high = harness.bootstrap_ci([0.1, 0.2, 0.3, 0.4, 0.5])
+    mean, low, high = stats.bootstrap_ci([0.1, 0.2, 0.3, 0.4, 0.5])
     assert mean == pytest.approx(0.3) and 0.1 <= low < mean < high <= 0.5
-    assert harness.bootstrap_ci([0.2, 0.2]) == (0.2, 0.2, 0.2)
+    assert stats.bootstrap_ci([0.2, 0.2]) == (0.2, 0.2, 0.2)
     c = [
-        harness.Curve("t", "pbt", 0, [8, 16], [0.6, 0.8], test_reward=0.7, wall_s=1),
-        harness.Curve("t", "pbt", 1, [8, 16], [0.5, 0.6], test_reward=0.6, wall_s=1),
-        harness.Curve("t", "random", 0, [8, 16], [0.4, 0.7], test_reward=0.5, wall_s=1),
-        harness.Curve("t", "random", 1, [8, 16], [0.3, 0.5], test_reward=0.5, wall_s=1),
+        stats.Curve("t", "pbt", 0, [8, 16], [0.6, 0.8], test_reward=0.7, wall_s=1),
+        stats.Curve("t", "pbt", 1, [8, 16], [0.5, 0.6], test_reward=0.6, wall_s=1),
+        stats.Curve("t", "random", 0, [8, 16], [0.4, 0.7], test_reward=0.5, wall_s=1),
+        stats.Curve("t", "random", 1, [8, 16], [0.3, 0.5], test_reward=0.5, wall_s=1),
     ]
-    summary = harness.summarize(c, "t", 0.7)
+    summary = stats.summarize(c, "t", 0.7)
     assert summary["rows"]["pbt"]["reached"] == 1
     assert summary["rows"]["pbt"]["to_target_mean"] == pytest.approx((16 + 16) / 2)
     assert summary["rows"]["random"]["to_target"] == [16, math.inf]
     assert summary["diffs"]["pbt"]["random"]["diff"] == pytest.approx([0.2, 0.1])
     assert summary["diffs"]["pbt"]["random"]["wins"] == 2
-    table = harness.format_summary(summary).splitlines()
+    table = stats.format_summary(summary).splitlines()
     assert sum(line.startswith("| pbt |") for line in table) == 1
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("task", harness.TASKS)
-def test_real_campaigns_train_exactly_n_times_t_at_most_n_at_a_time(
-    task: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _result(path: Path, seeds: list[int], target: float) -> Path:
+    curves = [
+        stats.Curve("t", s, seed, [8, 16], [0.4 + seed / 10, 0.6 + seed / 10], 0.5 + seed / 10)
+        for seed in seeds
+        for s in ("pbt", "random", "tpe")
+    ]
+    summary = stats.summarize(curves, "t", target)
+    summary["tpe_trials"] = [{"trials": 10 + seed} for seed in seeds]
+    shape = {"slots": 8, "steps": 16}
+    path.write_text(
+        json.dumps({"shape": shape, "curves": [asdict(c) for c in curves], "summaries": [summary]})
+    )
+    return path
+
+
+def test_results_of_several_calls_merge_into_one_over_all_seeds(tmp_path: Path) -> None:
+    a = _result(tmp_path / "a.json", [0], 0.5)
+    b = _result(tmp_path / "b.json", [1, 2], 0.5)
+    merged = stats.merge([b, a], {})
+    (summary,) = merged["summaries"]
+    assert summary["rows"]["pbt"]["seeds"] == [0, 1, 2]
+    assert summary["rows"]["pbt"]["test"] == pytest.approx([0.5, 0.6, 0.7])
+    assert [t["trials"] for t in summary["tpe_trials"]] == [10, 11, 12]  # in seed order
+    assert summary["target"] == 0.5 and summary["rows"]["pbt"]["to_target"] == [16, 8, 8]
+    assert stats.merge([a, b], {"t": 0.8})["summaries"][0]["rows"]["pbt"]["reached"] == 1
+    with pytest.raises(ValueError, match=r"both hold \('t', 'pbt', 0\)"):
+        stats.merge([a, _result(tmp_path / "c.json", [0], 0.5)], {})
+    other = json.loads(b.read_text()) | {"shape": {"slots": 4, "steps": 16}}
+    (tmp_path / "d.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="another shape"):
+        stats.merge([a, tmp_path / "d.json"], {})
+
+
+def test_the_sweep_envelope_is_the_first_depth_any_configuration_reaches_the_target(
+    tmp_path: Path,
 ) -> None:
+    sweep = tmp_path / "sweep_cpu_t.txt"
+    sweep.write_text(
+        "t: warm start 0.5 (eval split, greedy); eval reward after 5, 10, 15 steps\n"
+        "lr 0.001 temperature 1: 0.55 0.58 0.70\n"
+        "lr 0.01 temperature 1: 0.60 0.66 0.10\n"
+        "oracle: lr 0.001 temperature 1, best eval 0.70, test 0.69\n"
+    )
+    e = stats.envelope(sweep, 0.65, slots=8)
+    assert e["best"] == [0.60, 0.66, 0.70]
+    assert (e["depth"], e["config"], e["member_steps"]) == (10, "lr 0.01 temperature 1", 80)
+    assert stats.envelope(sweep, 0.9, slots=8)["depth"] is None
+
+
+@pytest.mark.integration
+def test_real_campaigns_train_exactly_n_times_t_at_most_n_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the data-file task; what the builtin task loads is checked without campaigns
+    (test_splits_are_disjoint_and_the_test_rows_are_not_written): the strategies and their
+    accounting do not depend on the task."""
+    task = "chain_sum"
     monkeypatch.setenv("PBT_CACHE_DIR", str(tmp_path / "cache"))
     s = MICRO
     data = harness.write_task_files(task, s, tmp_path / "data")
