@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from support import MlflowServer, start_campaign, write_manifest
 
-from pbt.controller.campaign import POPULATION_STUDY, SEARCH_STUDY, Campaign
+from pbt.controller.campaign import Campaign
 from pbt.controller.population import INIT_STUDY
 from pbt.controller.store import CampaignStore
+from pbt.controller.trials import POPULATION_STUDY, SEARCH_STUDY
 
 pytestmark = pytest.mark.integration  # each test runs real processes (controller, members)
 

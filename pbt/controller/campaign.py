@@ -23,7 +23,6 @@ by clones that would fail the same way: free space, then ``pbt resume``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -35,7 +34,6 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
-from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller import slurm
 from pbt.controller.budget import (
     FLAGS,
@@ -56,33 +54,21 @@ from pbt.controller.launch import (
 from pbt.controller.lock import ControllerLock
 from pbt.controller.mps import MpsDaemon
 from pbt.controller.population import (
-    INIT_STUDY,
     breed,
     build_mutations,
     build_selection,
-    child_record,
     initial_records,
-    lineage_event,
     selection_events,
 )
 from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
-from pbt.controller.search import (
-    OptunaSearch,
-    record_initial_fitness,
-    record_members,
-    study_storage,
-)
+from pbt.controller.search import study_storage
 from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.controller.trials import Trials
 from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
 from pbt.protocol.files import write_json_atomic
 from pbt.protocol.paths import inside, plain_name
-from pbt.protocol.records import MemberRecord, member_id, rng_from_json, rng_to_json
-
-SEARCH_STUDY = "search"
-"""The Optuna study of the ``optuna`` strategy: one trial per member trained from scratch."""
-POPULATION_STUDY = "population"
-"""Every trained PBT member as a completed trial, for optuna-dashboard."""
+from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,21 +147,9 @@ class Campaign:
         first RNG state. Deterministic: a start that crashed before the commit is redone."""
         rng = random.Random(self.manifest.training.seed)
         if self.manifest.search.strategy == "optuna":
-            search = self._search()
-            members = []
-            for i in range(self.manifest.population.size):
-                number, hyperparameters = self._trial_for(search, member_id(0, i))
-                members.append(
-                    MemberRecord(
-                        member_id=member_id(0, i),
-                        generation=0,
-                        hyperparameters=hyperparameters,
-                        mutation=f"trial {number}",
-                    )
-                )
+            members = self._trials().first_trials()
         else:
-            storage = study_storage(self.dir)
-            members = initial_records(self.manifest, storage)
+            members = initial_records(self.manifest, study_storage(self.dir))
         events = [
             {
                 "generation": 0,
@@ -300,7 +274,7 @@ class Campaign:
         self._collect_garbage()
         self.log.started(self.dir / "manifest.yaml")
         if last >= 0:  # what followed the last commit may not have happened before a crash
-            self._record_in_studies(last, self.store.members(last), final=False)
+            self._trials().record(last, self.store.members(last), final=False)
         while True:
             started = time.monotonic()
             gpu_seconds += self._train_generation(generation)
@@ -322,7 +296,7 @@ class Campaign:
                 best_pair,
             )
             self.log.generation_committed(generation, finished)
-            self._record_in_studies(generation, finished, final=bool(reason))
+            self._trials().record(generation, finished, final=bool(reason))
             self.say(
                 f"generation {generation} committed: best {best.member_id} fitness {best_pair[1]:.3f}"
             )
@@ -357,96 +331,13 @@ class Campaign:
 
     def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
         if self.manifest.search.strategy == "optuna":
-            return self._next_trials(generation, finished)
+            return self._trials().next_trials(generation, finished)
         selected = self.selection.select(finished, rng)
         members = breed(selected, generation + 1, self.mutations, rng)
         return members, selection_events(selected, members)
 
-    # -- the Optuna strategy and the studies -------------------------------------------------
-
-    def _search(self) -> OptunaSearch:
-        cfg = self.manifest.search
-        return OptunaSearch(
-            hp_ranges(self.manifest),
-            base_hyperparameters(self.manifest),
-            storage=study_storage(self.dir),
-            study_name=SEARCH_STUDY,
-            sampler=cfg.sampler,
-            pruner=cfg.pruner,
-            seed=self.manifest.training.seed,
-            max_generations=cfg.trial_generations,
-            startup_trials=cfg.startup_trials,
-        )
-
-    def _trial_for(self, search: OptunaSearch, member: str) -> tuple[int, dict[str, float]]:
-        """The trial ``member`` runs and its hyperparameters, a drawn group size or prompts per
-        step moved to the nearest value that keeps the batch rules."""
-        number, drawn = search.trial_for(member)
-        ranges = hp_ranges(self.manifest)
-        return number, keep_batch_rule(drawn, ranges, batch_rule(self.manifest))
-
-    def _trial_root(self, m: MemberRecord) -> MemberRecord:
-        """The member that started ``m``'s trial (trained from scratch)."""
-        while m.parent_id is not None:
-            m = self.store.member(m.parent_id)
-        return m
-
-    def _next_trials(self, generation: int, finished: list[MemberRecord]):
-        """Each slot continues its trial, or starts a new one when the pruner stopped it or it
-        trained ``trial_generations`` generations."""
-        search = self._search()
-        members, events = [], []
-        for slot, m in enumerate(finished):
-            root = self._trial_root(m)
-            child_id = member_id(generation + 1, slot)
-            fitness = m.fitness_history[-1] if m.fitness_history else math.nan
-            if m.collapsed:  # its trial ends, and a new one takes the slot
-                search.finish(root.member_id, fitness, "pruned")
-            if search.report(root.member_id, fitness, m.generation - root.generation):
-                number, hyperparameters = self._trial_for(search, child_id)
-                child = MemberRecord(
-                    member_id=child_id,
-                    generation=generation + 1,
-                    hyperparameters=hyperparameters,
-                    mutation=f"trial {number}",
-                )
-                detail = f"trial {number} replaces the trial of {root.member_id}"
-                event = lineage_event(child, "create", detail)
-            else:
-                continues = f"trial of {root.member_id} continues"
-                child = child_record(m, child_id, generation + 1, mutation=continues)
-                event = lineage_event(child, "clone")
-            members.append(child)
-            events.append(event)
-        return members, events
-
-    def _record_in_studies(self, generation: int, finished: list[MemberRecord], final: bool):
-        """Fitness into the Optuna studies (idempotent): generation 0's draws complete their
-        trials (a later campaign can warm-start from them), PBT members become trials of the
-        ``population`` study, and a search's unfinished trials complete when the campaign ends."""
-        done = [m for m in finished if m.status == "done" and m.fitness_history]
-        storage = study_storage(self.dir)
-        ranges = hp_ranges(self.manifest)
-        if self.manifest.search.strategy == "optuna":
-            if final:  # the budget ends the trials still running, after their last report
-                search = self._search()
-                for m in done:
-                    root = self._trial_root(m)
-                    fitness = m.fitness_history[-1]
-                    if not search.report(root.member_id, fitness, m.generation - root.generation):
-                        search.finish(root.member_id, fitness)
-            return
-        if not ranges:
-            return
-        if generation == 0 and self.manifest.population.init_sampler != "none":
-            fitness = {m.member_id: m.fitness_history[-1] for m in done}
-            record_initial_fitness(storage, INIT_STUDY, fitness)
-        record_members(
-            storage,
-            POPULATION_STUDY,
-            ranges,
-            [(m.member_id, m.hyperparameters, m.fitness_history[-1], m.generation) for m in done],
-        )
+    def _trials(self) -> Trials:
+        return Trials(self.manifest, self.store, self.dir)
 
     def _stop_reason(
         self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
