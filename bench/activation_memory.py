@@ -32,21 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from scale_run import SHAPES as SCALE_SHAPES
 from train_step import SHAPES as STEP_SHAPES
 
 SHAPES = {
     **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
-    # Qwen2.5-7B's shape: untied output layer, 152,064-token vocabulary
-    "7b": dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
+    "7b": SCALE_SHAPES["7b"][1],  # Qwen2.5-7B: untied output layer, 152,064-token vocabulary
     # the built-in model's shape: a dry run of every mode in seconds on a CPU
     "tiny": dict(
         vocab_size=1024,
@@ -124,7 +115,7 @@ def model_config(shape: str):
     from transformers import Qwen2Config
 
     fields = {"vocab_size": 1024, "tie_word_embeddings": True, **SHAPES[shape]}
-    return Qwen2Config(max_position_embeddings=8192, **fields)
+    return Qwen2Config(**{"max_position_embeddings": 8192} | fields)
 
 
 def quantize_blocks(base, device) -> int:

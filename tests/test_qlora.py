@@ -306,17 +306,42 @@ def test_the_bench_quantizes_what_model_quantization_loads():
         assert module.weight.quant_state.nested and module.weight.quant_type == "nf4"
 
 
+def _batch(vocab: int):
+    """Two sequences of 8 prompt and 16 completion tokens."""
+    from pbt.algorithms.rollout.hf import RolloutBatch
+
+    ids = torch.randint(vocab, (2, 24))
+    return RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
+                        torch.ones(2, 16), ["", ""])  # fmt: skip
+
+
+def _saved_bytes(model, batch, autocast: bool) -> int:
+    """Bytes of the distinct storages one forward saves for backward, parameters apart."""
+    import contextlib
+
+    from pbt.algorithms.rollout.hf import sequence_logprobs
+
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        sequence_logprobs(model, batch, 1.0)
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
     """A 4-bit layer's matmul saves no activation of its own (its weight is frozen): on the
     CPU, a block of a quantized base saves exactly what :func:`layer_bytes` says, as a plain
     one does (tests/test_memory_estimate.py)."""
-    import contextlib
-
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from pbt.algorithms.models import add_lora
-    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.config import LoRAConfig
     from pbt.controller.memory import Plan, adapter_params, layer_bytes
     from pbt.controller.model_shape import shape_from_config
@@ -333,20 +358,7 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
         base = AutoModelForCausalLM.from_config(qwen, dtype=dtype).requires_grad_(False)
         _bench().quantize_blocks(base, CPU)
         model = add_lora(base, LoRAConfig(r=8)).train()
-        ids = torch.randint(128, (2, 24))
-        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
-                             torch.ones(2, 16), ["", ""])  # fmt: skip
-        storages: dict[int, int] = {}
-
-        def pack(t):
-            if not isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-            sequence_logprobs(model, batch, 1.0)
-        return sum(storages.values())
+        return _saved_bytes(model, _batch(128), autocast)
 
     shape = shape_from_config({"model_type": "qwen2", "num_hidden_layers": 2, **config}, "t")
     plan = Plan(
@@ -371,7 +383,7 @@ def test_offloading_moves_the_same_tensors_on_a_4bit_base():
 
     from pbt.algorithms.activations import ActivationOffload
     from pbt.algorithms.models import add_lora
-    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.rollout.hf import sequence_logprobs
     from pbt.config import LoRAConfig
 
     config = {
@@ -401,11 +413,8 @@ def test_offloading_moves_the_same_tensors_on_a_4bit_base():
 
         offload._pack = watch
         offload.install(model)
-        ids = torch.randint(128, (2, 24))
-        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
-                             torch.ones(2, 16), ["", ""])  # fmt: skip
         with torch.autocast("cpu", torch.bfloat16):
-            sequence_logprobs(model, batch, 1.0)
+            sequence_logprobs(model, _batch(128), 1.0)
         return offload.offloaded_bytes, sorted(seen)
 
     half, quantized = offloaded(False), offloaded(True)
@@ -423,7 +432,6 @@ def test_a_member_on_a_4bit_base_shares_the_adapters_inputs(
     same step on this machine."""
     from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.models import add_lora, load_base_model
-    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
     from pbt.controller.memory import Plan, adapter_params, layer_bytes
     from pbt.controller.model_shape import shape_from_config
@@ -442,22 +450,8 @@ def test_a_member_on_a_4bit_base_shares_the_adapters_inputs(
             "peft.tuners.lora.bnb"
         )
         torch.manual_seed(0)
-        ids = torch.randint(100, (2, 24))
-        batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
-                             torch.ones(2, 16), ["", ""])  # fmt: skip
-        storages: dict[int, int] = {}
-
-        def pack(t):
-            if not isinstance(t._base if t._base is not None else t, torch.nn.Parameter):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            torch.autocast("cpu", torch.bfloat16),
-        ):
-            sequence_logprobs(model, batch, 1.0)
-        return sum(storages.values()), base.config.to_dict()
+        bytes_ = _saved_bytes(model, _batch(100), autocast=True)
+        return bytes_, base.config.to_dict()
 
     (two, config), (three, _) = saved(2), saved(3)
     shape = shape_from_config(config, "m")
