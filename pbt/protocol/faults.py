@@ -8,7 +8,12 @@ its task folder before it exits non-zero. The launcher reads it back, so the cam
 ``out_of_memory`` or ``disk_full`` with the member's own message rather than a bare exit code.
 A process that ran out of memory before it could write the file (torchrun's agent, or an import)
 is recognised by the last line of its log, Python's ``MemoryError``; one that could not write the
-file because the disk is full, by the error it printed last.
+file because the disk is full, by the error it printed last. Under ``launch.memory_limit_gib``
+an allocation that fails inside a C extension does not always become a ``MemoryError`` (an
+import can end in ``SystemError: error return without exception set``), so an error of a
+process that holds 80% or more of its data limit counts as ``out_of_memory`` whatever its
+type, and its cause says how much it held. The worker keeps a small reserve of memory that it
+frees once it has judged the error, so that the report itself can be written at the limit.
 
 A member whose loss or gradient stayed NaN or inf for ``algorithm.max_nonfinite_steps`` steps in
 a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``diverged``: like a
@@ -46,6 +51,10 @@ from pbt.config.errors import ConfigError, DivergedError, PbtError, RewardError
 from pbt.protocol.files import read_json, write_json_once
 
 FAULT_FILE = "fault.json"
+NEAR_LIMIT = 0.8
+"""The share of its data limit (``RLIMIT_DATA``) past which a process's error counts as
+``out_of_memory``."""
+RESERVE_BYTES = 16 << 20
 FaultKind = Literal["out_of_memory", "disk_full", "diverged", "config_error", "reward_error"]
 KINDS: tuple[FaultKind, ...] = (
     "out_of_memory",
@@ -99,7 +108,42 @@ def classify(err: BaseException) -> FaultKind | None:
         if isinstance(err, (ImportError, OSError)) and _MAP_FAILED.search(str(err)):
             return "out_of_memory"
         err = err.__cause__ or err.__context__
-    return None
+    return "out_of_memory" if memory_held() is not None else None
+
+
+_reserve: bytearray | None = None
+
+
+def keep_reserve() -> None:
+    """Set aside :data:`RESERVE_BYTES` that :func:`report` frees before it writes (a worker
+    calls this at its start), so that a report at the memory limit has room to be written."""
+    global _reserve
+    _reserve = bytearray(RESERVE_BYTES)
+
+
+def release_reserve() -> None:
+    global _reserve
+    _reserve = None
+
+
+def memory_held() -> tuple[int, int] | None:
+    """``(held, limit)`` in bytes when this process holds :data:`NEAR_LIMIT` or more of its
+    data limit (``RLIMIT_DATA``, which the launcher sets from ``launch.memory_limit_gib``);
+    None without a limit, below it, or where it cannot be read (not Linux)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+        if limit == resource.RLIM_INFINITY or limit <= 0:
+            return None
+        with open("/proc/self/status", encoding="ascii") as f:
+            line = next(x for x in f if x.startswith("VmData:"))
+        held = int(line.split()[1]) * 1024
+    except MemoryError:
+        return (limit, limit)  # nothing left to read with: at the limit
+    except (ImportError, OSError, StopIteration, ValueError, IndexError):
+        return None
+    return (held, limit) if held >= NEAR_LIMIT * limit else None
 
 
 def report(task_dir: str | Path, err: BaseException, exit_code: int = 2) -> FaultKind | None:
@@ -107,14 +151,20 @@ def report(task_dir: str | Path, err: BaseException, exit_code: int = 2) -> Faul
     ``exit_code`` the worker exits with; returns the kind. An earlier report of this attempt
     (another rank's) is kept.
 
-    Never raises: with the disk full, the file may not be written, and the exit code and the
-    log still tell the controller that the member failed.
+    Never raises: with the disk full, or no memory left, the file may not be written, and the
+    exit code and the log still tell the controller that the member failed.
     """
-
-    kind = classify(err)
-    with contextlib.suppress(OSError):
+    kind, held = None, None
+    with contextlib.suppress(Exception):
+        kind = classify(err)  # what the process holds is judged with the reserve still held
+        held = memory_held() if kind == "out_of_memory" else None
+    release_reserve()
+    with contextlib.suppress(Exception):
         message = f"{type(err).__name__}: {err}".strip()
-        record = {"kind": kind, "error": message, "cause": one_line(err), "exit_code": exit_code}
+        cause = one_line(err)
+        if held is not None:
+            cause = f"{cause} (at {held[0] / 2**30:.2f} GiB of its {held[1] / 2**30:.2f} GiB limit)"
+        record = {"kind": kind, "error": message, "cause": cause, "exit_code": exit_code}
         write_json_once(Path(task_dir) / FAULT_FILE, record)
     return kind
 

@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     --serve FOLDER [--idle-timeout S]`` (a long-lived worker; see
     :class:`pbt.launch.PersistentLauncher`)."""
     argv = sys.argv[1:] if argv is None else argv
+    faults.keep_reserve()  # freed before a fault report, which may come at the memory limit
     if argv[:1] == ["--serve"] and len(argv) in (2, 4):
         idle = float(argv[3]) if len(argv) == 4 and argv[2] == "--idle-timeout" else 900.0
         return serve(Path(argv[1]), idle)
@@ -357,7 +358,10 @@ def _failed(task_dir: Path, err: BaseException) -> bool:
     """Say why the task failed, and whether that was expected: a user's error (its message
     only) or a fault of a known kind (with its traceback); either exits 2. Other errors are
     bugs, left to propagate (exit 1). Each is reported in ``fault.json`` with its exit code."""
-    kind = faults.classify(err)
+    try:
+        kind = faults.classify(err)
+    except MemoryError:  # at the limit, with nothing left to judge the error with
+        kind = "out_of_memory"
     expected = kind is not None or isinstance(err, PbtError)
     if isinstance(err, Exception):  # not an interrupt
         faults.report(task_dir, err, exit_code=2 if expected else 1)
