@@ -44,6 +44,11 @@ def test_every_strategy_plans_n_times_t_member_steps(shape: str, task: str, tmp_
     )
     assert ready.population.selection == "truncation"
     assert ready.population.ready_generations == harness.READY_GENERATIONS
+    gap = manifest_from_dict(
+        harness.strategy_manifests("pbt_gap", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
+    )
+    assert gap.population.ready_generations == harness.READY_GENERATIONS
+    assert gap.population.exploit_gap == harness.EXPLOIT_GAP and ready.population.exploit_gap == 0
     tpe = manifest_from_dict(
         harness.strategy_manifests("tpe", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
     )
