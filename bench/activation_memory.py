@@ -35,9 +35,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_run import SHAPES as SCALE_SHAPES
 from train_step import SHAPES as STEP_SHAPES
 
+QWEN25_LARGE = {  # what Qwen2.5's 14B, 32B and 72B configs share
+    "vocab_size": 152064,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 SHAPES = {
     **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
     "7b": SCALE_SHAPES["7b"][1],  # Qwen2.5-7B: untied output layer, 152,064-token vocabulary
+    # Qwen2.5-14B, -32B and -72B's published shapes, for the largest member one GPU trains
+    **{
+        name: dict(
+            QWEN25_LARGE,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+        )
+        for name, hidden, inter, layers, heads in [
+            ("14b", 5120, 13824, 48, 40),
+            ("32b", 5120, 27648, 64, 40),
+            ("72b", 8192, 29568, 80, 64),
+        ]
+    },
     # the built-in model's shape: a dry run of every mode in seconds on a CPU
     "tiny": dict(
         vocab_size=1024,
@@ -82,12 +104,18 @@ def main() -> None:
         "DIR/MODE.pickle (torch.cuda.memory._dump_snapshot; view at pytorch.org/memory_viz) "
         "to see what is allocated at the peak; recording slows the steps",
     )  # fmt: skip
+    parser.add_argument(
+        "--by-block", action="store_true",
+        help="build the model on the meta device and give each block its storage, random "
+        "weights and (qlora) its 4-bit layers in turn, so that no more than one block is ever "
+        "held unquantized: how a base larger than the device in bf16 is built",
+    )  # fmt: skip
     args = parser.parse_args()
     modes = list(MODES) if "all" in args.modes else args.modes
     if args.snapshot and args.device != "cuda":
         parser.error(f"--snapshot ({args.snapshot!r}) needs --device cuda; drop --snapshot on cpu")
 
-    results = {name: run_mode(args, *MODES[name], name=name) for name in modes}
+    results = {name: run_or_oom(args, name) for name in modes}
     plain = results.get("plain")
     print(
         f"\n{args.shape} shape on {args.device}, LoRA r 16 on every projection, "
@@ -99,6 +127,9 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        if r.get("oom"):
+            print(f"| {name} | out of memory | | | {r['estimate']:.3f} | | | |")
+            continue
         ratio = r["tok_s"] / plain["tok_s"] if plain else float("nan")
         gap_logp = (r["logp"] - plain["logp"]).abs().max().item() if plain else float("nan")
         gap_grad = max(
@@ -108,6 +139,27 @@ def main() -> None:
             f"| {name} | {r['tok_s']:,.0f} | {ratio:.2f} | {r['peak']:.3f} | {r['estimate']:.3f} "
             f"| {r['offloaded']:.2f} | {gap_logp:.1e} | {gap_grad:.1e} |"
         )
+
+
+def run_or_oom(args: argparse.Namespace, name: str) -> dict:
+    """:func:`run_mode`, or a row that says the mode ran out of device memory."""
+    import gc
+
+    import torch
+
+    try:
+        result = run_mode(args, *MODES[name], name=name)
+        print(
+            f"{name}: {result['tok_s']:,.0f} tok/s, peak {result['peak']:.3f} GiB, "
+            f"estimate {result['estimate']:.3f} GiB",
+            flush=True,
+        )
+        return result
+    except torch.OutOfMemoryError as err:
+        print(f"{name}: out of memory ({str(err).splitlines()[0]})", flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"oom": True, "estimate": bench_estimate(model_config(args.shape), args, *MODES[name])}
 
 
 def model_config(shape: str):
@@ -123,34 +175,85 @@ def quantize_blocks(base, device) -> int:
     its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
     embeddings and the output layer stay as they are); returns how many. One layer at a time,
     so the unquantized copy of a whole model is never held twice."""
+    from pbt.algorithms.models import keep_cpu_layout
+    from pbt.distributed.fsdp import transformer_blocks
+
+    count = sum(quantize_block(block, device) for block in transformer_blocks(base))
+    keep_cpu_layout(base)
+    return count
+
+
+def quantize_block(block, device) -> int:
+    """Quantize one block's linear layers in place (:func:`quantize_blocks`); how many."""
     import bitsandbytes as bnb
     import torch
+
+    count = 0
+    for parent in list(block.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=torch.bfloat16, compress_statistics=QLORA["double_quant"],
+                quant_type=QLORA["quant_type"], quant_storage=torch.bfloat16, device="meta",
+            )  # fmt: skip
+            layer.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False,
+                compress_statistics=QLORA["double_quant"], quant_type=QLORA["quant_type"],
+                quant_storage=torch.bfloat16, module=layer,
+            )  # fmt: skip
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.to(device))  # quantizes the weight
+            count += 1
+    return count
+
+
+def build_by_block(config, device, qlora: bool):
+    """The base of ``config`` built on the meta device, then given storage block by block:
+    random weights as transformers initialises them (normal, std ``initializer_range``; norms
+    at one), each block quantized (``qlora``) before the next one is materialised."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from pbt.algorithms.models import keep_cpu_layout
     from pbt.distributed.fsdp import transformer_blocks
 
-    count = 0
-    for block in transformer_blocks(base):
-        for parent in list(block.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                layer = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=child.bias is not None,
-                    compute_dtype=torch.bfloat16, compress_statistics=QLORA["double_quant"],
-                    quant_type=QLORA["quant_type"], quant_storage=torch.bfloat16, device="meta",
-                )  # fmt: skip
-                layer.weight = bnb.nn.Params4bit(
-                    child.weight.data, requires_grad=False,
-                    compress_statistics=QLORA["double_quant"], quant_type=QLORA["quant_type"],
-                    quant_storage=torch.bfloat16, module=layer,
-                )  # fmt: skip
-                if child.bias is not None:
-                    layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, name, layer.to(device))  # quantizes the weight
-                count += 1
-    keep_cpu_layout(base)
-    return count
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    base.requires_grad_(False)
+    blocks = transformer_blocks(base)
+    inside = {id(m) for block in blocks for m in block.modules()}
+
+    def materialise(module) -> None:
+        module.to_empty(device=device, recurse=False)
+        for name, param in module.named_parameters(recurse=False):
+            if name == "weight" and param.dim() == 1:  # a norm
+                param.data.fill_(1.0)
+            elif name == "bias":
+                param.data.zero_()
+            else:
+                param.data.normal_(0.0, config.initializer_range)
+
+    for block in blocks:
+        for module in block.modules():
+            materialise(module)
+        if qlora:
+            quantize_block(block, device)
+    for module in base.modules():
+        if id(module) not in inside:
+            materialise(module)
+    rotary = base.model.rotary_emb  # its frequencies are computed, not initialised
+    with device:
+        base.model.rotary_emb = type(rotary)(config=config)
+    if qlora:
+        keep_cpu_layout(base)
+    left = [n for n, t in [*base.named_parameters(), *base.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"left on the meta device: {left[:5]}")
+    return base
 
 
 def run_mode(
@@ -174,11 +277,14 @@ def run_mode(
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     config = model_config(args.shape)
-    with device:
-        base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else None)
-    base.requires_grad_(False)
-    if qlora:
-        quantize_blocks(base, device)
+    if getattr(args, "by_block", False):
+        base = build_by_block(config, device, qlora)
+    else:
+        with device:
+            base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else None)
+        base.requires_grad_(False)
+        if qlora:
+            quantize_blocks(base, device)
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     set_mixed_precision(model, True)
     if checkpointing:
@@ -221,7 +327,8 @@ def run_mode(
         torch.cuda.reset_peak_memory_stats()  # the build's unquantized weights are not counted
     snapshot = getattr(args, "snapshot", None)
     if snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        start_bytes = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="all")
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -231,6 +338,7 @@ def run_mode(
     if snapshot:
         Path(snapshot).mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(Path(snapshot) / f"{name}.pickle"))
+        (Path(snapshot) / f"{name}.start").write_text(f"{start_bytes}\n")
         torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     return {
