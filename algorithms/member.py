@@ -282,18 +282,21 @@ class Member:
             self.model, adapter_dir_base(self.manifest.model.name, self.manifest.base_dir)
         )
 
-    def load(self, path: str | Path, held: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load(
+        self, path: str | Path, held: dict[str, Any] | None = None, owned: bool = False
+    ) -> dict[str, Any]:
         """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``,
-        or from ``held``: the same checkpoint's attributes already in host memory (a
+        or from ``held``: the same checkpoint's attributes already in memory (a
         :class:`Snapshot`'s, once written, whose digest the caller has matched), which are not
-        changed (on the CPU, where the optimizer would take them over, they are copied).
+        changed (on the CPU, where the optimizer would take them over, they are copied, unless
+        ``owned``: a copy made for this load alone, such as a prefetch's).
 
         Raises:
             CheckpointError: the checkpoint is invalid or belongs to another model or algorithm.
         """
         if held is None:
             attrs = load_checkpoint(path)
-        elif torch.device(self.device).type == "cpu":
+        elif torch.device(self.device).type == "cpu" and not owned:
             attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
         else:
             attrs = held

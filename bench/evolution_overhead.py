@@ -131,12 +131,13 @@ def main() -> None:
                     walls.append(time.perf_counter() - start)
                     works.append(0.0)
                     phases = dict.fromkeys(("setup", "load", "save", "outside the task"), 0.0)
-                    written, from_memory = 0.0, 0
+                    written, from_memory, prefetched = 0.0, 0, 0
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
                         digests[outcome.task_id] = outcome.result["digest"]
                         from_memory += outcome.result.get("parent_from") == "memory"
+                        prefetched += bool(outcome.result.get("parent_prefetched"))
                         works[-1] += outcome.result["productive_seconds"]
                         fitness.append(outcome.result["fitness"])
                         for name in ("setup", "load", "save"):
@@ -156,7 +157,8 @@ def main() -> None:
                         "  overhead a task: "
                         + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items())
                         + f" (checkpoint write {written / args.members:.2f} s, in the background "
-                        f"on a long-lived worker; parents loaded from memory: {from_memory})",
+                        f"on a long-lived worker; parents loaded from memory: {from_memory}, "
+                        f"of which prefetched to the device: {prefetched})",
                         flush=True,
                     )
             finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,16 +92,63 @@ class HostCopies:
         return torch.utils._pytree.tree_map_only(Tensor, own, tree)
 
 
+class DeviceCopies:
+    """A state's tensors copied to ``device`` by a background thread while the device works on
+    something else: on CUDA on a side stream (floating tensors of one dimension or more: an
+    adapter's weights and the optimizer's moments; the RNG states and step counts stay on the
+    host, where they are restored from); on the CPU as clones of every tensor. :meth:`wait`
+    returns the copied tree, ready for the current stream. The source is only read."""
+
+    def __init__(self, tree: Any, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._tree: Any = tree
+        self._error: BaseException | None = None
+        self._done: torch.cuda.Event | None = None
+        self._thread = threading.Thread(target=self._copy, name="pbt-prefetch", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        try:
+            if self.device.type != "cuda":
+                self._tree = torch.utils._pytree.tree_map_only(Tensor, torch.clone, self._tree)
+                return
+            stream = _side_stream(self.device, "prefetch")
+            with torch.cuda.stream(stream):
+                self._tree = torch.utils._pytree.tree_map_only(Tensor, self._move, self._tree)
+                self._done = torch.cuda.Event()
+                self._done.record(stream)
+        except BaseException as err:  # raised again by wait(), in the caller's thread
+            self._error = err
+
+    def _move(self, t: Tensor) -> Tensor:
+        if t.dim() == 0 or not t.is_floating_point():
+            return t
+        return t.to(self.device, non_blocking=True)
+
+    def wait(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self._done)
+            for t in torch.utils._pytree.tree_leaves(self._tree):
+                if isinstance(t, Tensor) and t.device.type == "cuda":
+                    t.record_stream(current)  # not reused by the side stream while in use here
+            self._done = None
+        return self._tree
+
+
 _PENDING: contextvars.ContextVar[HostCopies | None] = contextvars.ContextVar(
     "pbt_host_copies", default=None
 )
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+def _side_stream(device: torch.device, use: str = "snapshot") -> torch.cuda.Stream:
+    if (device, use) not in _STREAMS:
+        _STREAMS[device, use] = torch.cuda.Stream(device)
+    return _STREAMS[device, use]
 
 
 @contextlib.contextmanager

@@ -173,6 +173,12 @@ def test_members_trained_at_once_equal_members_trained_one_at_a_time(
         read_json(p)["parent_from"] for p in (directory / "tasks").glob("g00[12]-*/result.json")
     ]
     assert froms and set(froms) == {"memory"}, froms  # one worker trained every parent
+    # a task handed ahead has its parent prefetched while the task before it trains
+    prefetched = [
+        read_json(p)["parent_prefetched"]
+        for p in (directory / "tasks").glob("g00[12]-*/result.json")
+    ]
+    assert any(prefetched), prefetched
 
 
 def _alive(pgid_file: Path) -> bool:

@@ -15,6 +15,7 @@ from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
 from pbt.algorithms.member import Member
 from pbt.algorithms.models import resolve_model_path
 from pbt.config.errors import CheckpointError
+from pbt.distributed.state import DeviceCopies
 
 CPU = torch.device("cpu")
 
@@ -183,4 +184,18 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
     restored.load(tmp_path / "background")
     assert from_memory_rewards == _train(restored, 2)
     for name, value in _adapter(from_memory).items():
+        assert torch.equal(value, _adapter(restored)[name]), name
+    # and from a prefetch's copy on the device (a long-lived worker copies the next task's
+    # parent while the current task trains): moments and adapter on the GPU, RNG on the host
+    copies = DeviceCopies(held, cuda)
+    _train(member, 1)  # the device works meanwhile
+    prefetched = copies.wait()
+    moved = torch.utils._pytree.tree_leaves([prefetched["trainable"], prefetched["learner"]])
+    assert {t.device.type for t in moved if torch.is_tensor(t) and t.dim()} == {"cuda"}
+    from_device = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+    from_device.load(tmp_path / "background", prefetched, owned=True)
+    from_device_rewards = _train(from_device, 2)
+    restored.load(tmp_path / "background")
+    assert from_device_rewards == _train(restored, 2)
+    for name, value in _adapter(from_device).items():
         assert torch.equal(value, _adapter(restored)[name]), name

@@ -4,6 +4,7 @@ reported as the fault it is and takes the worker down."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,38 @@ def test_a_background_write_that_finds_the_disk_full_fails_its_task(tmp_path: Pa
     assert retry.status == "ok", retry.detail
     on_disk = sorted(p.name for p in (campaign / "checkpoints").iterdir())
     assert on_disk == ["b-retry"]  # no partial or temporary folder of "a"
+
+
+def test_the_parent_of_the_task_handed_ahead_is_prefetched_while_one_trains(tmp_path: Path):
+    """``ParentAhead`` copies the parent state of the next inbox entry, when this worker holds
+    it, while the current task trains; the next task takes that copy (the same values, its own
+    storage) only for exactly that checkpoint and digest."""
+    import torch
+
+    from pbt.worker.task import STATES, ParentAhead
+
+    folder = tmp_path / "slot0"
+    (folder / "inbox").mkdir(parents=True)
+    state = {"trainable": {"w": torch.arange(6.0)}, "rng": [{"torch": torch.zeros(4)}]}
+    STATES.put("checkpoints/g000-m01", "d1", state, 64)
+    ahead = ParentAhead(folder)
+    ahead.number = 1
+    ahead.look(torch.device("cpu"))  # nothing handed ahead yet
+    assert ahead.take("checkpoints/g000-m01", "d1") is None
+    tasks = _tasks(tmp_path, [("g001-m00", None), ("g001-m01", "g000-m01")])
+    for number, task in enumerate(tasks):
+        write_json_atomic(
+            folder / "inbox" / f"{number:06d}.json", {"task": str(task.task_dir / "task.json")}
+        )
+    task = tasks[1].task_dir / "task.json"
+    write_json_atomic(task, {**json.loads(task.read_text()), "parent_digest": "d1"})
+    ahead.look(torch.device("cpu"))
+    taken = ahead.take("checkpoints/g000-m01", "d1")
+    assert torch.equal(taken["trainable"]["w"], state["trainable"]["w"])
+    assert taken["trainable"]["w"].data_ptr() != state["trainable"]["w"].data_ptr()
+    assert ahead.take("checkpoints/g000-m01", "d1") is None  # taken once
+    ahead.look(torch.device("cpu"))
+    assert ahead.take("checkpoints/g000-m01", "other digest") is None
+    ahead.number = 0  # an entry whose task has no parent: nothing to copy
+    ahead.look(torch.device("cpu"))
+    assert ahead._copies is None

@@ -77,13 +77,17 @@ def finish_task(result: dict[str, Any], write: Callable[[], str] | None) -> dict
 
 
 def start_task(
-    task: dict[str, Any], host=None, heartbeat: Heartbeat | None = None
+    task: dict[str, Any],
+    host=None,
+    heartbeat: Heartbeat | None = None,
+    ahead: ParentAhead | None = None,
 ) -> tuple[dict[str, Any], Any, Any]:
     """Train and evaluate the member described by ``task`` and snapshot its state to host
     memory (every rank calls this; rank 0 reports its progress to ``heartbeat``). Returns the
     result without its checkpoint's digest, the host, and on rank 0 the call that writes the
     checkpoint (:func:`finish_task`), which needs neither the device nor the other ranks; None
-    on the others."""
+    on the others. A long-lived worker passes its ``ahead``: the parent it prefetched for this
+    task, if any, and where to prefetch the next task's parent while this one trains."""
     import torch
 
     from pbt.algorithms.member import Host, Member, seed_everything
@@ -107,11 +111,14 @@ def start_task(
         host = Host(manifest, device)
     member = Member(manifest, device, task["member_id"], host=host)
     marks.append(("setup", time.perf_counter()))
-    held = None
+    held, prefetched = None, False
     if parent and world.world_size == 1:
-        held = STATES.get(task["parent_checkpoint"], task.get("parent_digest"))
+        key = (task["parent_checkpoint"], task.get("parent_digest"))
+        held = ahead.take(*key) if ahead is not None else None
+        prefetched = held is not None
+        held = held if prefetched else STATES.get(*key)
     if parent:
-        member.load(parent, held)
+        member.load(parent, held, owned=prefetched)
     member.learner.apply_hyperparameters(task["hyperparameters"])
     seed = member_seed(manifest.training.seed, task["member_id"])
     seed_everything(seed + world.rank)
@@ -126,7 +133,7 @@ def start_task(
     }
     started = time.perf_counter()
     marks.append(("load", started))
-    history = _train(member, task["steps"], progress)
+    history = _train(member, task["steps"], progress, ahead)
     marks.append(("train", time.perf_counter()))
     progress.phase("evaluating")
     fitness = member.learner.evaluate(
@@ -157,6 +164,7 @@ def start_task(
         "world_size": world.world_size,
         "device": str(torch.device(member.device)),
         "parent_from": None if not parent else "memory" if held is not None else "disk",
+        "parent_prefetched": prefetched,
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated() / 2**30
             if torch.device(member.device).type == "cuda"
@@ -203,7 +211,51 @@ STATES = StateCache(int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**3
 """The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8)."""
 
 
-def _train(member, steps: int, progress: ProgressReport) -> list[dict[str, float]]:
+class ParentAhead:
+    """A long-lived worker's prefetch: while it trains one task, the parent state of the task
+    handed ahead to it (inbox entry :attr:`number`), when this worker holds that state in
+    memory (:data:`STATES`), is copied to the device in the background
+    (:class:`~pbt.distributed.state.DeviceCopies`), so that the next task loads its parent
+    without a copy from the host. Looked for after each training step until found (the entry
+    may be handed over, or the parent's write finish, while the task trains)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.number = 0
+        self._key: tuple[str, str | None] | None = None
+        self._copies = None
+        self._looked: int | None = None  # the entry found to have no parent held here
+
+    def look(self, device) -> None:
+        if self._copies is not None or self._looked == self.number:
+            return
+        entry = read_json(self.folder / "inbox" / f"{self.number:06d}.json")
+        task = read_json(Path(entry["task"])) if entry is not None else None
+        if task is None:
+            return
+        if not task.get("parent_checkpoint"):
+            self._looked = self.number
+            return
+        key = (task["parent_checkpoint"], task.get("parent_digest"))
+        held = STATES.get(*key)
+        if held is None:  # not held here, or its write is still in flight
+            return
+        from pbt.distributed.state import DeviceCopies
+
+        self._key, self._copies = key, DeviceCopies(held, device)
+
+    def take(self, path: str, digest: str | None) -> dict[str, Any] | None:
+        """The prefetched state of checkpoint ``path`` with ``digest``, or None."""
+        copies, key = self._copies, self._key
+        self._copies = self._key = None
+        if copies is None or key != (path, digest):
+            return None
+        return copies.wait()
+
+
+def _train(
+    member, steps: int, progress: ProgressReport, ahead: ParentAhead | None = None
+) -> list[dict[str, float]]:
     """Train ``steps`` steps, a line per step in the member's log and in its progress; every
     step's metrics, with the lineage's step count."""
 
@@ -213,6 +265,8 @@ def _train(member, steps: int, progress: ProgressReport) -> list[dict[str, float
     def on_step(step: int, metrics: dict[str, float]) -> None:
         say(f"step {step} {member.learner.describe(metrics)}")
         progress.stepped(metrics)
+        if ahead is not None:
+            ahead.look(member.device)
 
     progress.phase("training")
     return member.train(steps, on_step, say)
@@ -284,6 +338,7 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
 
     rank = int(os.environ.get("RANK", 0))
     host, taken, writing = None, 0, None
+    ahead = ParentAhead(folder) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
     try:
         while True:
             entry = _next_entry(folder, taken, idle_timeout_s, poll_s)
@@ -300,8 +355,10 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                 if beat is not None:
                     stack.enter_context(beat)
                 with _output_to(entry["log"], rank == 0):
+                    if ahead is not None:
+                        ahead.number = taken  # the entry after this one
                     try:
-                        result, host, write = start_task(task, host, beat)
+                        result, host, write = start_task(task, host, beat, ahead)
                     except BaseException as err:
                         if not _failed(task_path.parent, err):
                             raise
