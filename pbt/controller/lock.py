@@ -97,6 +97,11 @@ class ControllerLock:
                         return cls(fd, path)
                     record = _read_record(fd)
                     verdict, why = _judge(record)
+                    if verdict == "stale" and _try_lock(fd):
+                        # the holder closed its files between the two looks: it exited, and
+                        # freed the lock; nothing was stale
+                        _write_record(fd)
+                        return cls(fd, path)
                     if verdict == "stale":
                         os.unlink(path)  # under the guard, the name is still fd's file
                 except BaseException:
