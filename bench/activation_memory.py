@@ -45,7 +45,8 @@ QWEN25_LARGE = {  # what Qwen2.5's 14B, 32B and 72B configs share
 SHAPES = {
     **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
     "7b": SCALE_SHAPES["7b"][1],  # Qwen2.5-7B: untied output layer, 152,064-token vocabulary
-    # Qwen2.5-14B, -32B and -72B's published shapes, for the largest member one GPU trains
+    # Qwen2.5-14B, -32B and -72B's published shapes (and Qwen1.5-110B's), for the largest
+    # member one GPU trains
     **{
         name: dict(
             QWEN25_LARGE,
@@ -58,6 +59,7 @@ SHAPES = {
             ("14b", 5120, 13824, 48, 40),
             ("32b", 5120, 27648, 64, 40),
             ("72b", 8192, 29568, 80, 64),
+            ("110b", 8192, 49152, 80, 64),  # Qwen1.5-110B's shape, the same vocabulary
         ]
     },
     # the built-in model's shape: a dry run of every mode in seconds on a CPU
@@ -123,12 +125,13 @@ def main() -> None:
         + ("" if args.device == "cuda" else "; peak memory is measured on CUDA only")
     )
     print(
-        "\n| mode | tok/s | x plain | peak GiB | estimate GiB | offloaded GiB | max dlogp | max dgrad |"
+        "\n| mode | tok/s | x plain | peak GiB | estimate GiB | offloaded GiB | max dlogp | max dgrad "
+        "| held before the build GiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if r.get("oom"):
-            print(f"| {name} | out of memory | | | {r['estimate']:.3f} | | | |")
+            print(f"| {name} | out of memory | | | {r['estimate']:.3f} | | | | |")
             continue
         ratio = r["tok_s"] / plain["tok_s"] if plain else float("nan")
         gap_logp = (r["logp"] - plain["logp"]).abs().max().item() if plain else float("nan")
@@ -137,7 +140,7 @@ def main() -> None:
         ) if plain else float("nan")  # fmt: skip
         print(
             f"| {name} | {r['tok_s']:,.0f} | {ratio:.2f} | {r['peak']:.3f} | {r['estimate']:.3f} "
-            f"| {r['offloaded']:.2f} | {gap_logp:.1e} | {gap_grad:.1e} |"
+            f"| {r['offloaded']:.2f} | {gap_logp:.1e} | {gap_grad:.1e} | {r['before']:.3f} |"
         )
 
 
@@ -150,7 +153,8 @@ def run_or_oom(args: argparse.Namespace, name: str) -> dict:
     try:
         result = run_mode(args, *MODES[name], name=name)
         print(
-            f"{name}: {result['tok_s']:,.0f} tok/s, peak {result['peak']:.3f} GiB, "
+            f"{name}: {result['tok_s']:,.0f} tok/s, peak {result['peak']:.3f} GiB "
+            f"(allocated before the build {result['before']:.3f}), "
             f"estimate {result['estimate']:.3f} GiB",
             flush=True,
         )
@@ -264,6 +268,8 @@ def run_mode(
     name: str = "mode",
 ) -> dict:
     """Build the model with the knobs and time ``args.steps`` training steps."""
+    import gc
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -275,6 +281,10 @@ def run_mode(
     quiet_transformers()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    gc.collect()  # the modes before this one leave nothing behind that the peak would count
+    if cuda:
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     torch.manual_seed(0)
     config = model_config(args.shape)
     if getattr(args, "by_block", False):
@@ -344,6 +354,7 @@ def run_mode(
     return {
         "tok_s": n * (p_len + c_len) / elapsed,
         "peak": peak,
+        "before": before,
         "estimate": bench_estimate(config, args, checkpointing, offloading, qlora),
         "offloaded": (offload.offloaded_bytes / 2**30) if offload else 0.0,
         **seen,

@@ -41,21 +41,23 @@ at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB:
 gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
 and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
 
-The activation knobs against the H200 (``bench/activation_memory.py``, 4 x (64 + 4,032)
-tokens; tests/test_memory_estimate.py feeds the estimate that workload): at 0.5B checkpointing
-3.86 GiB measured, 3.81 estimated; offloading 3.85 and 4.03; both 3.14 and 3.12. At 1.5B plain
-52.21 and 52.26, checkpointing 7.20 and 7.13, offloading 7.76 and 6.91, both 6.22 and 6.07; on
-a 4-bit base 52.95 and 50.53, with checkpointing 8.61 and 5.41, offloading 3.47 and 5.18, both
-5.10 and 4.35. Two 4-bit rows are off by more than 15% and not explained: on the CPU a 4-bit
-block saves and holds exactly what a half one does (bitsandbytes' matmul keeps only its packed
-weight, and dequantizes into a temporary each time), so the H200's extra 3.2 GiB in a
-recomputed 4-bit block's backward, and the block that offloading holds with a half base but
-not with a 4-bit one, come from something the CPU does not run (bench/RESULTS.md). Those
-4-bit rows ran peft's generic LoRA layer (the bench quantizes in place); a member's 4-bit
-layer shares the adapters' inputs, which the estimate counts but no GPU has measured. Not
-modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB measured at
-0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts blocks, the
-allocator's fragmentation, and transient buffers of a rollout's prefill.
+The activation knobs and a 4-bit base against the H200 (``bench/activation_memory.py``, 64 +
+4,032 tokens a sequence, LoRA r 16, mixed precision; tests/test_memory_estimate.py feeds the
+estimate each workload): at 0.5B (4 sequences) and 1.5B (4) every row of plain, checkpointing,
+offloading and both, on a half base and on a 4-bit one, within 3% (1.5B: plain 52.21 GiB
+measured, 52.26 estimated; checkpointing 7.20 and 7.13; offloading 5.25 and 5.23; both 6.22 and
+6.07; 4-bit with both 4.45 and 4.35); at 7B (2 sequences) within 8% (4-bit with offloading 7.86
+and 8.41, the widest); the 110B shape with every knob on 76.52 and 78.77. A 4-bit base holds
+what a half one does beside its weights: bitsandbytes' matmul saves only its packed weight and
+dequantizes into a temporary each time. The first 4-bit rows measured wider gaps, which the
+allocator's history showed to be the earlier modes' tensors still alive in the same process, not
+a 4-bit term (bench/RESULTS.md). Those rows ran peft's generic LoRA layer (the bench quantizes
+in place); a member's 4-bit layer shares the adapters' inputs, which the estimate counts but no
+GPU has measured.
+
+Not modelled: ``training.compile``, which fuses part of the activations away (11.5 GiB measured
+at 0.5B against 14.3 eager: the estimate is an upper bound there), mixture-of-experts blocks,
+the allocator's fragmentation, and transient buffers of a rollout's prefill.
 """
 
 from __future__ import annotations
@@ -442,11 +444,11 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
     - plain: every layer's saved tensors, the final norm's input and the head's input;
     - checkpointing: each block's input; in backward one block recomputed at a time, with the
       MLP's gradients (:func:`mlp_gradient_bytes`) beside its saved tensors;
-    - offloading: the head's input (a view, never offloaded) and about one block's saved
-      tensors more, which the H200 shows with a half base (0.8 GiB at 0.5B, 2.5 at 1.5B) and
-      not with a 4-bit one. It is not the copies still in flight to the host: the CUDA
-      allocator counts a tensor free when it is released, even while the side stream still
-      reads it. In backward one block brought back and the prefetch;
+    - offloading: the head's input (a view, never offloaded); the copies still in flight to
+      the host do not count, since the CUDA allocator counts a tensor free when it is
+      released, even while the side stream still reads it (the H200's allocator history shows
+      nothing of the blocks held at the peak, with a bf16 base or a 4-bit one). In backward
+      one block brought back and the prefetch;
     - both: the head's input and the latest block input in flight; in backward one block
       recomputed from its input brought back, with the MLP's gradients, and the prefetch.
     """
@@ -473,8 +475,8 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
         how = f"each block's input ({shape.hidden} x {plan.weight_bytes} bytes/token)"
         working = Term("", layer + grads, recomputed)
     elif plan.offloading:
-        device = min(held, head_input + layer)
-        how = "the head's input and about one block's tensors; the rest on the host"
+        device = min(held, head_input)
+        how = "the head's input; every block's tensors on the host"
         back = min(layer + OFFLOAD_PREFETCH_BYTES, held - device)
         working = Term("", back, "one block brought back and the prefetch")
         host.append(Term("offloaded activations", held, every))
