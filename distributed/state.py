@@ -218,13 +218,17 @@ def gather_optimizer(
 def load_optimizer(
     named: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, saved: dict[str, Any]
 ) -> None:
-    """Restore what :func:`gather_optimizer` returned into an optimizer over ``named``."""
+    """Restore what :func:`gather_optimizer` returned into an optimizer over ``named``.
+
+    Tensors already laid out like their parameter are taken over, not copied (a prefetch's
+    copies on the device); the step counts are always copied, since the optimizer counts in
+    place and ``saved`` may be a state held in memory and loaded again."""
     for name, p in named:
         entry = saved["state"].get(name)
         if not entry:
             continue
         optimizer.state[p] = {
-            k: (v.to("cpu") if k == "step" else like(p, v)) if torch.is_tensor(v) else v
+            k: (v.to("cpu", copy=True) if k == "step" else like(p, v)) if torch.is_tensor(v) else v
             for k, v in entry.items()
         }
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):

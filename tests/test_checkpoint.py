@@ -15,7 +15,7 @@ from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
 from pbt.algorithms.member import Member
 from pbt.algorithms.models import resolve_model_path
 from pbt.config.errors import CheckpointError
-from pbt.distributed.state import DeviceCopies
+from pbt.distributed.state import DeviceCopies, gather_optimizer, load_optimizer
 
 CPU = torch.device("cpu")
 
@@ -151,6 +151,23 @@ def test_newer_format_is_refused(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="upgrade pbt-llm"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_state_held_in_memory_loads_again_unchanged(tmp_path):
+    """A long-lived worker loads a parent it holds in memory once per child (on a GPU without a
+    copy on the host first): a child's training must not advance the held state's step counts,
+    or the next child would take other bias corrections than one loaded from the file."""
+    member = Member(small_manifest(tmp_path), CPU)
+    _train(member, 2)
+    named = member.learner.named_params
+    held = gather_optimizer(named, member.learner.optimizer)
+    steps = {n: e["step"].clone() for n, e in held["state"].items() if "step" in e}
+    assert steps and all(s.item() == 2 for s in steps.values())
+    child = Member(small_manifest(tmp_path), CPU)
+    load_optimizer(child.learner.named_params, child.learner.optimizer, held)
+    _train(child, 2)
+    for name, step in steps.items():
+        assert torch.equal(held["state"][name]["step"], step), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on one)")
