@@ -362,12 +362,23 @@ def run_mode(
 
 
 def bench_estimate(
-    config, args: argparse.Namespace, checkpointing: bool, offloading: bool, qlora: bool = False
+    config,
+    args: argparse.Namespace,
+    checkpointing: bool,
+    offloading: bool,
+    qlora: bool = False,
+    in_forward: bool | None = None,
 ) -> float:
     """The estimate's training peak for this step (no rollout) on CUDA, in GiB: bf16 weights,
-    mixed precision, LoRA r 16 on every projection, ``args.batch`` sequences a forward."""
+    mixed precision, LoRA r 16 on every projection, ``args.batch`` sequences a forward; the
+    output layer's gradient formed in the forward pass or not (``in_forward``; by default as
+    the code runs it)."""
+    from pbt.algorithms.rollout import hf
     from pbt.controller.memory import GIB, Plan, estimate
     from pbt.controller.model_shape import shape_from_config
+
+    if in_forward is None:
+        in_forward = hf.GRADIENT_IN_FORWARD
 
     shape = shape_from_config(config.to_dict(), args.shape)
     plan = Plan(
@@ -380,6 +391,7 @@ def bench_estimate(
         quantized=qlora,
         double_quant=QLORA["double_quant"],
         generic_lora_on_4bit=True,  # quantize_blocks: peft's generic layer, not its 4-bit one
+        head_gradient_in_forward=in_forward,
     )
     return estimate(shape, plan).peak / GIB
 

@@ -67,6 +67,7 @@ def main() -> None:
         quiet_transformers,
         set_mixed_precision,
     )
+    from pbt.algorithms.rollout import hf
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.config import LoRAConfig, ModelConfig
 
@@ -118,11 +119,18 @@ def main() -> None:
     def compiled() -> None:
         compile_decoder(model)
 
+    def recomputed() -> None:  # the frozen head's logits recomputed in backward
+        hf.GRADIENT_IN_FORWARD = False
+
+    def in_forward() -> None:  # the frozen head's gradient formed beside its log-probs
+        hf.GRADIENT_IN_FORWARD = True
+
     modes = [
         ("naive peft loop", naive, None),
-        ("lean log-probs", lean, None),
+        ("lean log-probs", lean, recomputed),
         ("lean + mixed precision", lean, mixed),
         ("lean + mixed precision + compile", lean, compiled),
+        ("lean + mixed precision + compile + the head's gradient in forward", lean, in_forward),
     ]
     liger = _liger_step(model, batch, advantages, optimizer, p_len) if cuda else None
     if liger is not None:

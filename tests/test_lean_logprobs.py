@@ -78,6 +78,35 @@ def test_lean_logprobs_and_gradients_equal_the_full_logits(member, monkeypatch, 
         )
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_frozen_heads_gradient_formed_in_forward_equals_autograds(monkeypatch, autocast, bias):
+    """The rows' gradient formed beside the log-probs (a frozen output layer) equals
+    autograd's through the logits, recomputed in backward, at a temperature, over chunks; in
+    float32 to rounding, under bfloat16 autocast to bfloat16's."""
+    monkeypatch.setattr(rollout, "LOGIT_CHUNK_BYTES", 4 * 300 * 40)  # chunks of 40 rows
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 50, 32, generator=gen)
+    weight = torch.randn(300, 32, generator=gen) * 0.3
+    b = torch.randn(300, generator=gen) if bias else None
+    targets = torch.randint(300, (3, 50), generator=gen)
+    upstream = torch.randn(3, 50, generator=gen)
+
+    def run(in_forward: bool):
+        monkeypatch.setattr(rollout, "GRADIENT_IN_FORWARD", in_forward)
+        h = hidden.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp = rollout.chunked_token_logprobs(h, weight, b, targets, 0.7)
+        (logp * upstream).sum().backward()
+        return logp.detach(), h.grad
+
+    formed, recomputed = run(True), run(False)
+    assert torch.equal(formed[0], recomputed[0])  # the same forward
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if autocast else {"atol": 1e-6, "rtol": 1e-5}
+    assert torch.allclose(formed[1], recomputed[1], **tolerance)
+    assert formed[1].abs().max() > 0.1  # a gradient that is not all rounding
+
+
 def test_an_adapted_output_layer_takes_the_full_logits(member):
     """A LoRA on the output layer is not in its weight: the lean path must not be taken."""
     from peft import LoraConfig, get_peft_model

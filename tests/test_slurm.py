@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from pbt.config.campaign import SlurmConfig
-from pbt.controller.launch import TaskSpec
+from pbt.controller.launch import JOB_CANCEL_WAIT_S, TaskSpec
 from pbt.controller.report import status_text
 from pbt.controller.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.controller.store import CampaignStore
@@ -351,6 +351,8 @@ def test_a_killed_controller_resumes_and_adopts_its_jobs(tmp_path: Path, local_r
 
 def test_pbt_stop_interrupts_the_controller_and_cancels_its_jobs(tmp_path: Path) -> None:
     manifest = _manifest(tmp_path, "stop", **SLURM)
+    body = yaml.safe_load(manifest.read_text())  # long enough that it cannot end before the stop
+    manifest.write_text(yaml.safe_dump({**body, "budget": {"generations": 50}}))
     directory = tmp_path / "c"
     proc = subprocess.Popen([*PBT, "run", str(manifest), "--dir", str(directory)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -361,8 +363,11 @@ def test_pbt_stop_interrupts_the_controller_and_cancels_its_jobs(tmp_path: Path)
     assert "interrupted the controller" in said and "pbt resume" in said
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
-    state = SlurmQueue(poll_s=0).state(job["job_id"])
-    assert state.state == "CANCELLED", state
+    # the job running at the stop (g000-m00's, or a later one's on a slow machine) is
+    # cancelled, and none of the campaign's is left running or queued
+    jobs = [j for d in sorted((directory / "tasks").iterdir()) if (j := read_job(d))]
+    states = [SlurmQueue(poll_s=0).state(j["job_id"]).state for j in jobs]
+    assert "CANCELLED" in states and not {"RUNNING", "PENDING"} & set(states), states
 
 
 def test_pbt_submit_runs_the_controller_as_a_job(tmp_path: Path, local_reference) -> None:
@@ -409,5 +414,5 @@ def test_status_shows_a_queued_member(tmp_path: Path) -> None:
         assert "queued" in status and re.search(r"PENDING \((Resources|Priority)\)", status), status
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(120)
+        proc.wait(JOB_CANCEL_WAIT_S + 60)  # it waits that long at most for its cancelled jobs
         subprocess.run(["scancel", blocker], check=False)

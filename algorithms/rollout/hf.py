@@ -217,6 +217,10 @@ def _full_logits_logprobs(model, batch: RolloutBatch, temperature: float) -> Ten
 
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Float32 logits held at once by the lean log-prob path."""
+GRADIENT_IN_FORWARD = True
+"""A frozen output layer's chunks compute their rows' gradient in the forward pass
+(:class:`_FrozenHeadLogprobs`); off, they are recomputed in the backward pass as a trainable
+layer's are (``bench/train_step.py`` measures both)."""
 
 
 def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperature: float):
@@ -248,16 +252,22 @@ def chunked_token_logprobs(
 ) -> Tensor:
     """``token_logprobs(hidden @ weight.T + bias, targets, temperature)`` without holding the
     ``[N, C, V]`` logits: rows go through in chunks of about :data:`LOGIT_CHUNK_BYTES` of float32
-    logits, each recomputed in the backward pass (activation checkpointing) when gradients are
-    on."""
+    logits. When gradients are on, a frozen output layer's chunk leaves only the log-prob's
+    gradient with respect to its rows (:class:`_FrozenHeadLogprobs`, a ``[rows, H]`` float32
+    tensor, computed beside the log-probs); a trainable one's logits are recomputed in the
+    backward pass (activation checkpointing)."""
     n, c, width = hidden.shape
     flat, wanted = hidden.reshape(n * c, width), targets.reshape(n * c)
     chunk = max(64, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    frozen = GRADIENT_IN_FORWARD and not weight.requires_grad
+    frozen = frozen and (bias is None or not bias.requires_grad)
     parts = []
     for start in range(0, n * c, chunk):
         args = (flat[start : start + chunk], weight, bias, wanted[start : start + chunk])
-        if grads:
+        if grads and frozen:
+            parts.append(_FrozenHeadLogprobs.apply(*args, temperature))
+        elif grads:
             parts.append(
                 torch.utils.checkpoint.checkpoint(
                     _chunk_logprobs, *args, temperature, use_reentrant=False
@@ -270,6 +280,42 @@ def chunked_token_logprobs(
 
 def _chunk_logprobs(hidden, weight, bias, targets, temperature: float) -> Tensor:
     return token_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
+
+
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """One chunk's target log-probs through a frozen output layer, with their gradient with
+    respect to the rows computed in the forward pass: ``d logp_i / d h_i = (onehot(t_i) -
+    softmax_i) @ W / temperature``. A row's log-prob is a scalar, so the backward pass only
+    scales that ``[rows, H]`` tensor by the incoming gradient, and the logits are formed once
+    (two matmuls over the vocabulary a chunk, where recomputing them in backward takes three).
+    The matmul with ``W`` runs in the logits' dtype, as autograd's backward of the linear layer
+    would."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float) -> Tensor:
+        scaled = torch.nn.functional.linear(hidden, weight, bias).float()
+        if temperature != 1.0:
+            scaled.div_(temperature)
+        picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lse = torch.logsumexp(scaled, dim=-1)
+        logp = picked - lse
+        # onehot - softmax, in place over the scaled logits
+        slope = scaled.sub_(lse.unsqueeze(-1)).exp_().neg_()
+        slope.scatter_add_(-1, targets.unsqueeze(-1), slope.new_ones(targets.shape).unsqueeze(-1))
+        compute = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(
+            hidden.device.type
+        ) else weight.dtype  # fmt: skip
+        if temperature != 1.0:
+            slope.div_(temperature)
+        rows = (slope.to(compute) @ weight.to(compute)).float()
+        ctx.save_for_backward(rows)
+        ctx.dtype = hidden.dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        (rows,) = ctx.saved_tensors
+        return (rows * grad_logp.float().unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
 def _plain_output_layer(model) -> torch.nn.Linear | None:

@@ -15,8 +15,11 @@ grouped-query attention through SDPA, a gated MLP), LoRA on its projections, on 
   activations per token per layer, from what autograd saves (counted on the CPU with
   ``saved_tensors_hooks``; see :func:`layer_bytes`) times ``micro_batch x (prompt +
   max_output_tokens)`` tokens times layers; the lean log-prob path's logits, about
-  :data:`LOGIT_COPIES` float32 copies of one chunk of at most :data:`LOGIT_CHUNK_BYTES` (the
-  full ``[N, T, V]`` logits where the lean path does not apply); under FSDP2 two blocks and the
+  :data:`LOGIT_COPIES_IN_FORWARD` float32 copies of one chunk of at most
+  :data:`LOGIT_CHUNK_BYTES` and each completion row's float32 gradient, which a frozen output
+  layer forms in the forward pass (:data:`LOGIT_COPIES` copies where the logits are recomputed
+  in backward; the full ``[N, T, V]`` logits where the lean path does not apply); under FSDP2
+  two blocks and the
   output layer gathered at once; a 4-bit base's weights of one block dequantized in flight.
   With activation checkpointing or offloading, the saved activations shrink to what stays on
   the device, and a block's backward working set (recomputed with the MLP's gradients beside
@@ -80,8 +83,11 @@ DEFAULT_PROMPT_TOKENS = 256
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Float32 logits per chunk of the lean log-prob path (``pbt.algorithms.rollout.hf``)."""
 LOGIT_COPIES = 4
-"""Chunk-sized float32 tensors alive at once in its backward: the logits, their tempered copy,
-the softmax and its gradient."""
+"""Chunk-sized float32 tensors alive at once when the chunk's logits are recomputed in the
+backward pass: the logits, their tempered copy, the softmax and its gradient."""
+LOGIT_COPIES_IN_FORWARD = 2
+"""The same when a frozen output layer's chunk forms its rows' gradient in the forward pass
+(in place, over the logits): the logits and the log-sum-exp's temporary."""
 STATIC_LENGTH_BUCKET = 64
 """The static decoder rounds its cache length up to this (``pbt.algorithms.rollout.static``)."""
 OFFLOAD_PREFETCH_BYTES = 2**28
@@ -140,6 +146,10 @@ class Plan:
     """The 4-bit projections carry peft's generic LoRA layer, as after the bench's in-place
     quantization, not its 4-bit one (what ``model.quantization`` loads); only the 4-bit one
     passes the adapters its half input as it is under autocast."""
+    head_gradient_in_forward: bool = True
+    """A frozen output layer's rows get their gradient in the forward pass, beside the
+    log-probs (``GRADIENT_IN_FORWARD`` of ``pbt.algorithms.rollout.hf``); off, its logits are
+    recomputed in the backward pass."""
 
     @property
     def sequence(self) -> int:
@@ -489,8 +499,15 @@ def _logits(shape: ModelShape, plan: Plan) -> Term:
     rows = plan.micro_batch * plan.per_example * plan.completion_tokens
     if not shape.softcapped and "lm_head" not in plan.adapted:
         held = min(rows, max(64, LOGIT_CHUNK_BYTES // (4 * shape.vocab)))
-        how = f"{LOGIT_COPIES} float32 copies of a chunk of {held} rows x {shape.vocab} vocabulary"
-        return Term("log-prob logits", LOGIT_COPIES * held * shape.vocab * 4, how)
+        chunk = f"a chunk of {held} rows x {shape.vocab} vocabulary"
+        if not plan.head_gradient_in_forward:
+            how = f"{LOGIT_COPIES} float32 copies of {chunk}"
+            return Term("log-prob logits", LOGIT_COPIES * held * shape.vocab * 4, how)
+        gradient = rows * shape.hidden * 4  # each row's gradient, float32, until the backward
+        how = f"{LOGIT_COPIES_IN_FORWARD} float32 copies of {chunk}, and the rows' gradients"
+        return Term(
+            "log-prob logits", LOGIT_COPIES_IN_FORWARD * held * shape.vocab * 4 + gradient, how
+        )
     tokens = plan.micro_batch * plan.per_example * plan.sequence
     full = tokens * shape.vocab * plan.weight_bytes + 3 * rows * shape.vocab * 4
     why = "an adapted output layer" if "lm_head" in plan.adapted else "post-processed logits"

@@ -33,7 +33,13 @@ def manifest(
 ):
     return manifest_from_dict(
         {
-            "model": {"quantization": {"quant_type": "nf4"} if quantize else None},
+            # float32 compute: the comparisons across world sizes see the sharding, not bfloat16
+            # rounding amplified by Adam
+            "model": {
+                "quantization": {"quant_type": "nf4", "compute_dtype": "float32"}
+                if quantize
+                else None
+            },
             "optim": {"lr": 5e-3, "warmup_steps": 1},
             "algorithm": {
                 "group_size": GROUP,
