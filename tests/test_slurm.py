@@ -354,8 +354,10 @@ def test_pbt_stop_interrupts_the_controller_and_cancels_its_jobs(tmp_path: Path)
     body = yaml.safe_load(manifest.read_text())  # long enough that it cannot end before the stop
     manifest.write_text(yaml.safe_dump({**body, "budget": {"generations": 50}}))
     directory = tmp_path / "c"
+    # started as a script's background job is: with SIGINT ignored, which the controller undoes
     proc = subprocess.Popen([*PBT, "run", str(manifest), "--dir", str(directory)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     job = _wait(lambda: _job_running(directory, "g000-m00"), 300, "generation 0 running")
     status = _pbt("status", str(directory)).stdout
     assert f"job {job['job_id']} RUNNING" in status and "attempt1.log" in status

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import time
 import typing
@@ -85,8 +86,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def _interruptible() -> None:
+    """``pbt stop`` and Ctrl-C stop the controller with SIGINT. A controller started in the
+    background of a script (``pbt run ... &``) inherits SIGINT ignored, and Python then leaves
+    it ignored: take the signal back, or ``pbt stop`` would say it interrupted a controller
+    that runs on."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+def _run(args: argparse.Namespace) -> int:
+    _interruptible()
     manifest = args.manifest or default_manifest_path()
     directory = Path(args.dir or f"runs/campaign-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -99,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-
+    _interruptible()
     directory = Path(args.dir)
     budget = {key: getattr(args, key) for key in FLAGS if getattr(args, key) is not None}
     try:
