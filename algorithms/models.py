@@ -243,6 +243,8 @@ def mixed_precision(model) -> contextlib.AbstractContextManager:
 
 def compile_decoder(model) -> None:
     """Compile the decoder stack of ``model`` (a peft model) in place: parameter names and the
-    state dict stay as they are; the output layer stays eager (the log-prob path swaps it)."""
+    state dict stay as they are; the output layer stays eager (the log-prob path swaps it), and
+    the log-prob path compiles its own elementwise work (``pbt_compiled``)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.get_decoder().compile()
+    model.pbt_compiled = True

@@ -15,7 +15,12 @@ AdamW step.
   in the backward pass; padding columns trimmed first;
 - ``+ mixed precision``: the same under bf16 autocast (``training.mixed_precision``, the
   default on CUDA): the adapter keeps float32 master weights, every matmul runs in bf16;
-- ``+ compile``: the decoder compiled too (``training.compile``).
+- ``+ compile``: the decoder compiled too (``training.compile``), the output layer's logits
+  recomputed in the backward pass;
+- ``+ the head's gradient in forward``: a frozen output layer's gradient formed beside its
+  log-probs (``GRADIENT_IN_FORWARD``), its elementwise work eager;
+- ``+ the head's elementwise work compiled``: the same with the softmax's elementwise work
+  compiled, as a compiled member runs it (``training.compile``).
 - ``+ liger``: liger-kernel's fused linear GRPO loss (``LigerFusedLinearGRPOLoss``, token-mean,
   no KL, the ratio at 1 as in the other modes) in place of the lean log-probs and the loss, on
   the compiled decoder's hidden states: the well-kept kernel library's answer to the same
@@ -118,6 +123,10 @@ def main() -> None:
 
     def compiled() -> None:
         compile_decoder(model)
+        model.pbt_compiled = False  # the head's elementwise work eager, until its own mode
+
+    def fused() -> None:  # the head's elementwise work compiled, as a compiled member runs it
+        model.pbt_compiled = True
 
     def recomputed() -> None:  # the frozen head's logits recomputed in backward
         hf.GRADIENT_IN_FORWARD = False
@@ -131,6 +140,7 @@ def main() -> None:
         ("lean + mixed precision", lean, mixed),
         ("lean + mixed precision + compile", lean, compiled),
         ("lean + mixed precision + compile + the head's gradient in forward", lean, in_forward),
+        ("... + the head's elementwise work compiled", lean, fused),
     ]
     liger = _liger_step(model, batch, advantages, optimizer, p_len) if cuda else None
     if liger is not None:

@@ -9,6 +9,7 @@ exactly the tokens the sampler saw.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -231,8 +232,12 @@ def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperatur
     targets = batch.completion_ids
     length = targets.shape[1]
 
+    fused = getattr(model, "pbt_compiled", False)
+
     def forward(hidden: Tensor) -> Tensor:  # [N, C + 1, H]: the last C + 1 positions
-        return chunked_token_logprobs(hidden[:, :-1], head.weight, head.bias, targets, temperature)
+        return chunked_token_logprobs(
+            hidden[:, :-1], head.weight, head.bias, targets, temperature, fused=fused
+        )
 
     head.forward = forward
     try:
@@ -248,14 +253,21 @@ def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperatur
 
 
 def chunked_token_logprobs(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    *,
+    fused: bool = False,
 ) -> Tensor:
     """``token_logprobs(hidden @ weight.T + bias, targets, temperature)`` without holding the
     ``[N, C, V]`` logits: rows go through in chunks of about :data:`LOGIT_CHUNK_BYTES` of float32
     logits. When gradients are on, a frozen output layer's chunk leaves only the log-prob's
     gradient with respect to its rows (:class:`_FrozenHeadLogprobs`, a ``[rows, H]`` float32
     tensor, computed beside the log-probs); a trainable one's logits are recomputed in the
-    backward pass (activation checkpointing)."""
+    backward pass (activation checkpointing). ``fused``: a frozen layer's elementwise work runs
+    compiled (:func:`_fused_softmax_parts`; a model whose decoder is compiled asks for it)."""
     n, c, width = hidden.shape
     flat, wanted = hidden.reshape(n * c, width), targets.reshape(n * c)
     chunk = max(64, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
@@ -266,7 +278,7 @@ def chunked_token_logprobs(
     for start in range(0, n * c, chunk):
         args = (flat[start : start + chunk], weight, bias, wanted[start : start + chunk])
         if grads and frozen:
-            parts.append(_FrozenHeadLogprobs.apply(*args, temperature))
+            parts.append(_FrozenHeadLogprobs.apply(*args, temperature, fused))
         elif grads:
             parts.append(
                 torch.utils.checkpoint.checkpoint(
@@ -292,22 +304,28 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     would."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float) -> Tensor:
-        scaled = torch.nn.functional.linear(hidden, weight, bias).float()
-        if temperature != 1.0:
-            scaled.div_(temperature)
-        picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        lse = torch.logsumexp(scaled, dim=-1)
-        logp = picked - lse
-        # onehot - softmax, in place over the scaled logits
-        slope = scaled.sub_(lse.unsqueeze(-1)).exp_().neg_()
-        slope.scatter_add_(-1, targets.unsqueeze(-1), slope.new_ones(targets.shape).unsqueeze(-1))
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, fused: bool) -> Tensor:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
         compute = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(
             hidden.device.type
         ) else weight.dtype  # fmt: skip
+        if fused:
+            logp, probs = _fused_softmax_parts()(
+                logits, targets, logits.new_tensor(1.0 / temperature, dtype=torch.float32), compute
+            )
+        else:
+            scaled = logits.float()
+            del logits
+            if temperature != 1.0:
+                scaled.div_(temperature)
+            picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            lse = torch.logsumexp(scaled, dim=-1)
+            logp = picked - lse
+            probs = scaled.sub_(lse.unsqueeze(-1)).exp_().to(compute)  # softmax, in place
+        # (onehot(t) - softmax) @ W = W[t] - softmax @ W
+        rows = weight[targets].float() - (probs @ weight.to(compute)).float()
         if temperature != 1.0:
-            slope.div_(temperature)
-        rows = (slope.to(compute) @ weight.to(compute)).float()
+            rows.div_(temperature)
         ctx.save_for_backward(rows)
         ctx.dtype = hidden.dtype
         return logp
@@ -315,7 +333,26 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp):
         (rows,) = ctx.saved_tensors
-        return (rows * grad_logp.float().unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+        grad = (rows * grad_logp.float().unsqueeze(-1)).to(ctx.dtype)
+        return grad, None, None, None, None, None
+
+
+def _softmax_parts(logits, targets, inverse_temperature, dtype) -> tuple[Tensor, Tensor]:
+    """A chunk's target log-probs (float32) and its softmax (in ``dtype``) from its logits at
+    a temperature: the elementwise work of :class:`_FrozenHeadLogprobs`, which
+    :func:`_fused_softmax_parts` compiles into two passes over the logits."""
+    scaled = logits.float() * inverse_temperature
+    lse = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logp, torch.exp(scaled - lse.unsqueeze(-1)).to(dtype)
+
+
+@functools.cache
+def _fused_softmax_parts():
+    """:func:`_softmax_parts` compiled (once a process; chunk rows dynamic): the eager version
+    makes five passes over a chunk's float32 logits, this one reads the half-precision logits
+    twice and writes the softmax once."""
+    return torch.compile(_softmax_parts, dynamic=True)
 
 
 def _plain_output_layer(model) -> torch.nn.Linear | None:
