@@ -19,6 +19,9 @@ time (a campaign trains one generation of at most ``slots`` members, then select
   only by a member more than 0.04 fitter, about one standard error of the difference of two
   evaluations on 256 problems at a reward near 0.6 (sqrt(2 x 0.6 x 0.4 / 256) = 0.043); not run
   unless named.
+- ``pb2``: ``pbt_ready`` with PB2's explore (``search.strategy: pb2``): each copy's
+  hyperparameters are the choice of a GP bandit over every member's change of fitness, in
+  place of a x0.8 / x1.2 perturbation; not run unless named.
 - ``random``: the ``optuna`` strategy, sampler ``random``, no pruner, trials as long as the
   campaign: ``slots`` trials of ``steps`` steps, one per slot.
 - ``tpe``: the ``optuna`` strategy, sampler ``tpe`` (multivariate, constant liar), successive
@@ -320,10 +323,12 @@ def strategy_manifests(
         m["mutation"] |= PBT_SETTINGS["mutation"]
         for key, value in shape.pbt.items():
             m[key] = m[key] | value
-        if strategy in ("pbt_ready", "pbt_gap"):
+        if strategy in ("pbt_ready", "pbt_gap", "pb2"):
             m["population"]["ready_generations"] = READY_GENERATIONS
         if strategy == "pbt_gap":
             m["population"]["exploit_gap"] = EXPLOIT_GAP
+        if strategy == "pb2":
+            m["search"] = {"strategy": "pb2"}
         return [m]
     if strategy in ("random", "tpe"):
         m["search"] = {

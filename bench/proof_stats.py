@@ -11,8 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-STRATEGIES = ("pbt", "pbt_ready", "pbt_gap", "random", "tpe", "default")
-PBT_VARIANTS = ("pbt", "pbt_ready", "pbt_gap")
+STRATEGIES = ("pbt", "pbt_ready", "pbt_gap", "pb2", "random", "tpe", "default")
+PBT_VARIANTS = ("pbt", "pbt_ready", "pbt_gap", "pb2")
 
 
 @dataclass(slots=True)
@@ -156,7 +156,7 @@ def plot_curves(curves: list[Curve], task: str, target: float, path: Path) -> Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
-    colors = dict(zip(STRATEGIES, ("C3", "C1", "C4", "C0", "C2", "C7"), strict=True))
+    colors = dict(zip(STRATEGIES, ("C3", "C1", "C4", "C5", "C0", "C2", "C7"), strict=True))
     for strategy in STRATEGIES:
         mine = [c for c in curves if c.strategy == strategy and c.task == task]
         if not mine:

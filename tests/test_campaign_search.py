@@ -172,3 +172,44 @@ def test_killed_optuna_campaign_resumes_to_the_same_trials(tmp_path):
 
     assert decisions(directory) == decisions(straight)
     assert trials(directory) == trials(straight)
+
+
+def test_pb2_campaign_finds_the_peak_and_resumes_to_the_same_choices(tmp_path):
+    """``search.strategy: pb2`` on the fake member (gain peaks at lr 3e-3): copies take the
+    bandit's choices, which end nearer the peak than generation 0's draws; a controller killed
+    mid-campaign resumes to the same choices."""
+    changes = {
+        "search": {"strategy": "pb2"},
+        "population": {"size": 8, "selection": "truncation", "init_sampler": "random"},
+        "launch": {"slots": 4, "persistent_workers": False},
+        "budget": {"generations": 5},
+    }
+    straight = _run(tmp_path, "straight", **changes)
+    members = _members(straight)
+    copies = [m for m in members if (m.mutation or "").startswith("pb2 (lr ")]
+    assert len(copies) == 2 * 4  # two copies a generation after generations 0 to 3
+
+    def off_peak(m) -> float:
+        return abs(math.log10(m.hyperparameters["lr"]) - math.log10(3e-3))
+
+    initial = [off_peak(m) for m in members if m.generation == 0]
+    assert sum(off_peak(m) for m in copies) / len(copies) < sum(initial) / len(initial) / 2
+
+    manifest = write_manifest(tmp_path / "killed.yaml", MANIFEST, **changes)
+    directory = tmp_path / "killed"
+    proc = start_campaign(manifest, directory, FAKE, 0.3, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while not (directory / "tasks" / "g003-m01" / "heartbeat").exists():  # mid-generation 3
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = Campaign.resume(directory, member_command=FAKE)
+    resumed.say = lambda *_: None
+    resumed.run()
+    resumed.close()
+
+    def decisions(d):
+        return [(m.member_id, m.parent_id, m.hyperparameters, m.mutation) for m in _members(d)]
+
+    assert decisions(directory) == decisions(straight)

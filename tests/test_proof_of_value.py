@@ -49,6 +49,11 @@ def test_every_strategy_plans_n_times_t_member_steps(shape: str, task: str, tmp_
     )
     assert gap.population.ready_generations == harness.READY_GENERATIONS
     assert gap.population.exploit_gap == harness.EXPLOIT_GAP and ready.population.exploit_gap == 0
+    pb2 = manifest_from_dict(
+        harness.strategy_manifests("pb2", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
+    )
+    assert (pb2.search.strategy, pb2.population.selection) == ("pb2", "truncation")
+    assert pb2.population.ready_generations == harness.READY_GENERATIONS
     tpe = manifest_from_dict(
         harness.strategy_manifests("tpe", task, s, "builtin:tiny", data, "cpu", 0)[0], "."
     )

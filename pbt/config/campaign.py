@@ -84,10 +84,12 @@ class MutationConfig:
 class SearchConfig:
     """The search strategy: population-based training, or Optuna trials from scratch."""
 
-    strategy: Literal["pbt", "optuna"] = "pbt"
-    """``pbt``: tournament selection and mutation every generation. ``optuna``: every member is
-    an Optuna trial trained from scratch for ``trial_generations`` generations, its fitness
-    reported after each; pruned and finished trials make way for new ones."""
+    strategy: Literal["pbt", "pb2", "optuna"] = "pbt"
+    """``pbt``: selection and mutation every generation. ``pb2``: truncation selection, and each
+    copy's hyperparameters chosen by a GP bandit over what every member's did (PB2's explore;
+    needs ``population.selection: truncation``). ``optuna``: every member is an Optuna trial
+    trained from scratch for ``trial_generations`` generations, its fitness reported after
+    each; pruned and finished trials make way for new ones."""
     sampler: Literal["tpe", "gp", "random", "qmc"] = "tpe"
     """How the ``optuna`` strategy picks each new trial's hyperparameters."""
     pruner: Literal["median", "hyperband", "successive_halving", "none"] = "median"

@@ -243,6 +243,11 @@ def campaign_problems(manifest: Manifest) -> list[str]:
     against the population, and the mutation ranges against the algorithm."""
     pop, mut = manifest.population, manifest.mutation
     problems = selection_problems(pop.tournament_size, pop.elitism, pop.size, pop.fitness_window)
+    if manifest.search.strategy == "pb2" and pop.selection != "truncation":
+        problems.append(
+            f"search.strategy (pb2) explores the copies that truncation selection makes, but "
+            f"population.selection is {pop.selection!r}; set population.selection: truncation"
+        )
     ranges, range_problems = _typed_ranges(manifest)
     if range_problems:
         return problems + range_problems

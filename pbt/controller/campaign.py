@@ -56,6 +56,7 @@ from pbt.controller.mps import MpsDaemon
 from pbt.controller.population import (
     breed,
     build_mutations,
+    build_pb2,
     build_selection,
     initial_records,
     selection_events,
@@ -333,7 +334,10 @@ class Campaign:
         if self.manifest.search.strategy == "optuna":
             return self._trials().next_trials(generation, finished)
         selected = self.selection.select(finished, rng)
-        members = breed(selected, generation + 1, self.mutations, rng)
+        explore = self.mutations
+        if self.manifest.search.strategy == "pb2":
+            explore = build_pb2(self.manifest, self.store.members(), generation)
+        members = breed(selected, generation + 1, explore, rng)
         return members, selection_events(selected, members)
 
     def _trials(self) -> Trials:

@@ -11,6 +11,7 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
 from pbt.controller.mutation import Mutations
+from pbt.controller.pb2 import PB2Explore, observations
 from pbt.controller.search import sample_initial
 from pbt.controller.selection import Selected, TournamentSelection, TruncationSelection
 from pbt.protocol.records import MemberRecord, member_id
@@ -38,6 +39,13 @@ def build_mutations(manifest: Manifest, ranks: int | None = None) -> Mutations:
         hp_ranges(manifest), mut.no_mutation, mut.rl_hp, mut.mutate_elite,
         mut.resample_probability, rule=batch_rule(manifest, ranks),
     )  # fmt: skip
+
+
+def build_pb2(manifest: Manifest, members: Sequence[MemberRecord], generation: int) -> PB2Explore:
+    """``search.strategy: pb2``'s explore step after ``generation``, its data from ``members``
+    (every generation's, as the store holds them)."""
+    data = observations(members, generation)
+    return PB2Explore(hp_ranges(manifest), data, generation, batch_rule(manifest))
 
 
 INIT_STUDY = "initial-population"
@@ -104,7 +112,7 @@ def child_record(
 def breed(
     selected: Sequence[Selected],
     generation: int,
-    mutations: Mutations | None = None,
+    mutations: Mutations | PB2Explore | None = None,
     rng: random.Random | None = None,
 ) -> list[MemberRecord]:
     """Generation ``generation``'s members, one per selected parent in slot order, named
