@@ -47,6 +47,7 @@ def test_the_data_are_each_generations_change_of_fitness() -> None:
         member(1, 0, 1e-3, [0.4, 0.7]),
         member(1, 1, 2e-3, [0.4, float("nan")]),  # diverged: no datum
         replace(member(1, 2, 5e-3, [0.4, 0.9]), status="failed"),
+        replace(member(1, 3, 5e-3, [0.4, 0.9]), mutation="replaced by a clone of g001-m02 after 2"),
     ]
     data = observations(later, 1)
     assert [(o.generation, round(o.change, 6)) for o in data] == [(1, 0.3)]  # generation 0 out

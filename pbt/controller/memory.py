@@ -47,7 +47,9 @@ and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded)
 The activation knobs and a 4-bit base against the H200 (``bench/activation_memory.py``, 64 +
 4,032 tokens a sequence, LoRA r 16, mixed precision; tests/test_memory_estimate.py feeds the
 estimate each workload): at 0.5B (4 sequences) and 1.5B (4) every row of plain, checkpointing,
-offloading and both, on a half base and on a 4-bit one, within 3% (1.5B: plain 52.21 GiB
+offloading and both, on a half base and on a 4-bit one, within 3% with the frozen head's logits
+recomputed in backward, and within 4.2% with its gradient formed in forward, the default
+(``GRADIENT_IN_FORWARD``; the recompute's rows at 1.5B: plain 52.21 GiB
 measured, 52.26 estimated; checkpointing 7.20 and 7.13; offloading 5.25 and 5.23; both 6.22 and
 6.07; 4-bit with both 4.45 and 4.35); at 7B (2 sequences) within 8% (4-bit with offloading 7.86
 and 8.41, the widest); the 110B shape with every knob on 76.52 and 78.77. A 4-bit base holds

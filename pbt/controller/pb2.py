@@ -52,14 +52,17 @@ class Observation:
 
 
 def observations(members: Sequence[MemberRecord], upto: int) -> list[Observation]:
-    """The bandit's data from the members of generations ``<= upto`` that were evaluated: the
-    change of fitness over each member's generation; generation 0's first fitnesses only when
-    no later generation has data (they share a start, so their levels are their changes up to
-    one constant, which later changes do not share)."""
+    """The bandit's data from the members of generations ``<= upto`` that trained and were
+    evaluated (not those replaced after failing): the change of fitness over each member's
+    generation; generation 0's first fitnesses only when no later generation has data (they
+    share a start, so their levels are their changes up to one constant, which later changes
+    do not share)."""
     points = []
     for m in members:
         history = m.fitness_history
         if m.generation > upto or m.status != "done" or not history:
+            continue
+        if (m.mutation or "").startswith("replaced"):  # a failed member: the history is another's
             continue
         latest = history[-1]
         if not math.isfinite(latest):
