@@ -729,6 +729,7 @@ def merged(args: argparse.Namespace) -> None:
     if out.suffix != ".json":
         raise SystemExit(f"merge: --out {out} must name the merged .json file")
     data = merge([Path(f) for f in args.files], args.target)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, default=str))
     text = "\n\n".join(f"## {s['task']}\n\n{format_summary(s)}" for s in data["summaries"])
     out.with_suffix(".md").write_text(text + "\n")
