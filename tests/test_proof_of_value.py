@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import proof_of_value as harness
 import proof_stats as stats
+import proof_tasks
 
 from pbt.algorithms.member import load_data
 from pbt.config.loader import manifest_from_dict
@@ -222,6 +223,6 @@ def test_real_campaigns_train_exactly_n_times_t_at_most_n_at_a_time(
 
 def test_the_chain_sum_file_is_what_reasoning_gym_generates() -> None:
     pytest.importorskip("reasoning_gym")
-    rows = harness.chain_sum_rows()
-    assert rows == harness.generate_chain_sum_rows()
+    rows = proof_tasks.chain_sum_rows()
+    assert rows == proof_tasks.generate_chain_sum_rows()
     assert len(rows) == len({q for q, _ in rows}) == 4000

@@ -67,11 +67,9 @@ def observations(members: Sequence[MemberRecord], upto: int) -> list[Observation
         latest = history[-1]
         if not math.isfinite(latest):
             continue
-        if m.generation == 0 or len(history) < 2:
-            if m.generation == 0:
-                points.append(Observation(0, dict(m.hyperparameters), latest))
-            continue
-        if math.isfinite(history[-2]):
+        if m.generation == 0:
+            points.append(Observation(0, dict(m.hyperparameters), latest))
+        elif len(history) >= 2 and math.isfinite(history[-2]):
             points.append(Observation(m.generation, dict(m.hyperparameters), latest - history[-2]))
     later = [p for p in points if p.generation > 0]
     return later or points
