@@ -25,14 +25,17 @@ def full_tensor(t: Tensor) -> Tensor:
     return host
 
 
+@torch.no_grad()  # instead of a detach per tensor
 def full_tensors(tensors: list[Tensor]) -> list[Tensor]:
     """Each whole tensor as a fresh copy on the CPU (gathered when sharded), in order.
 
     Tensors on a device travel in one copy per dtype, not one each: a copy to the host costs
     a fixed latency (about 1-2 ms on the GPU hosts measured, where an adapter and its Adam
     moments are a thousand tensors), so they are packed into one buffer on the device first.
+    Packing and unpacking run in C++ (per-tensor Python costs microseconds a tensor, a
+    thousand times over); CPU tensors are cloned one by one, which costs no kernel launch.
     """
-    full = [(t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in tensors]
+    full = [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
     out: list[Tensor | None] = [t.clone() if t.device.type == "cpu" else None for t in full]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(full):
@@ -40,16 +43,47 @@ def full_tensors(tensors: list[Tensor]) -> list[Tensor]:
             groups.setdefault((t.device, t.dtype), []).append(i)
     pending = _PENDING.get()
     for (device, _), indices in groups.items():
-        flat = torch.cat([full[i].reshape(-1) for i in indices])
-        sizes = [full[i].numel() for i in indices]
+        members = [full[i] for i in indices]
+        flat = _flatten(members)
         if pending is not None and device.type == "cuda":
-            pieces = pending.copy(flat).split(sizes)  # filled in the background: views for now
-            for i, piece in zip(indices, pieces, strict=True):
-                out[i] = piece.view(full[i].shape)
-            continue
-        for i, piece in zip(indices, flat.to("cpu").split(sizes), strict=True):
-            out[i] = piece.view(full[i].shape).clone()  # its own storage, as a saved file needs
+            pieces = _unflatten(pending.copy(flat), members)  # filled in the background
+        else:  # each its own storage, as a saved file needs
+            pieces = [piece.clone() for piece in _unflatten(flat.to("cpu"), members)]
+        for i, piece in zip(indices, pieces, strict=True):
+            out[i] = piece
     return out  # type: ignore[return-value]
+
+
+def _flatten(tensors: list[Tensor]) -> Tensor:
+    """The tensors' values end to end in one new 1-D buffer (always a copy: a lone tensor's
+    flat view would let training change it before a background copy reads it)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).clone()
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
+def _unflatten(flat: Tensor, like_these: list[Tensor]) -> list[Tensor]:
+    """Views of ``flat`` shaped like each of ``like_these``, in order (contiguous)."""
+    return list(torch._utils._unflatten_dense_tensors(flat, like_these))
+
+
+def moved(tensors: list[Tensor], devices: list[torch.device]) -> list[Tensor]:
+    """Each tensor on its device, values and dtype kept. Those not there yet travel in one
+    copy per device and dtype, arriving as views of one buffer there: a copy per tensor
+    costs a kernel launch each, and from pageable host memory a synchronisation each. Those
+    there already pass through."""
+    out = list(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (t, device) in enumerate(zip(tensors, devices, strict=True)):
+        if t.device != device:
+            groups.setdefault((device, t.dtype), []).append(i)
+    for (device, _), indices in groups.items():
+        members = [tensors[i] for i in indices]
+        for i, piece in zip(
+            indices, _unflatten(_flatten(members).to(device), members), strict=True
+        ):
+            out[i] = piece
+    return out
 
 
 class HostCopies:
@@ -188,15 +222,27 @@ def gather_parameters(named: list[tuple[str, nn.Parameter]]) -> dict[str, Tensor
 def load_parameters(named: list[tuple[str, nn.Parameter]], full: dict[str, Tensor]) -> None:
     """Copy full tensors into the given parameters (each rank keeps its shard).
 
+    One batched copy into the local tensors (a copy per parameter costs a kernel launch each
+    on a GPU), from saved tensors brought to the device by :func:`moved`.
+
     Raises:
         KeyError: a parameter has no saved value, or a saved value has the wrong shape.
     """
+    targets, sources = [], []
     for name, p in named:
         if name not in full:
             raise KeyError(f"no saved value for {name}")
-        if tuple(full[name].shape) != tuple(p.shape):
-            raise KeyError(f"{name}: saved shape {tuple(full[name].shape)} != {tuple(p.shape)}")
-        p.copy_(like(p, full[name]))
+        saved = full[name]
+        if tuple(saved.shape) != tuple(p.shape):
+            raise KeyError(f"{name}: saved shape {tuple(saved.shape)} != {tuple(p.shape)}")
+        if isinstance(p, DTensor):
+            targets.append(p.to_local())
+            sources.append(like(p, saved).to_local())
+        else:
+            targets.append(p)
+            sources.append(saved)
+    if targets:
+        torch._foreach_copy_(targets, moved(sources, [t.device for t in targets]))
 
 
 def gather_optimizer(
