@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from pbt.config.errors import CheckpointError
-from pbt.protocol.crash import fault_point
+from pbt.protocol.crash import delay_point, fault_point
 from pbt.protocol.faults import DISK_FULL_ERRNOS
 
 FORMAT_VERSION = 1
@@ -58,6 +58,7 @@ def save_checkpoint(
         adapter_config: PEFT's ``adapter_config.json`` content.
     """
     path = Path(path)
+    delay_point("checkpoint_write")
     tmp = path.parent / f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

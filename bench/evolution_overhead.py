@@ -12,10 +12,15 @@ mutated. One slot, so tasks run one after another. "Productive" is the time the 
 for training steps and evaluation (``productive_seconds``); the rest of the wall time (process
 start, imports, model load, checkpoint load and save, handing tasks over) is the overhead, and
 each generation's line splits it: the task's setup (the model load, or a reset of the adapter
-slot), the parent checkpoint's load, the checkpoint's save (on a long-lived worker only the
+slot), finding the parent's state (in the worker's memory, or waiting for its prefetch to the
+device), the parent checkpoint's load, the checkpoint's save (on a long-lived worker only the
 snapshot to host memory: the write runs in the background while the next member trains, and is
 shown beside), and what falls outside the task (process start, handing tasks over).
-"Later generations" is the same share without generation 0: what every generation after the
+On a long-lived worker the next generation's first task starts as soon as every result is known,
+while the generation's last checkpoint is still being written, as a campaign does
+(``on_released``): a generation's wall time runs from the moment the generation before had every
+result to the moment it has every result; the campaign's very last write, which nothing follows,
+is shown apart. "Later generations" is the same share without generation 0: what every generation after the
 first costs once a long-lived worker holds the model (a long campaign's steady state).
 ``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
 modes side by side on two GPUs of one host.
@@ -24,6 +29,7 @@ modes side by side on two GPUs of one host.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -57,7 +63,7 @@ def write_tasks(
         member = f"g{generation}-m{i}"
         parent = f"g{generation - 1}-m{(i + 1) % members}" if generation else None
         task_dir = campaign / "tasks" / member
-        task_dir.mkdir(parents=True)
+        task_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
             task_dir / "task.json",
             {
@@ -77,6 +83,33 @@ def write_tasks(
         )
         tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
     return tasks
+
+
+def next_first(
+    known: list[float],
+    root: Path,
+    campaign: Path,
+    manifest: dict,
+    generation: int,
+    args: argparse.Namespace,
+    digests: dict[str, str],
+    results: dict[str, dict],
+) -> list:
+    """Called once ``generation`` has every result: note the moment, and write the next
+    generation's tasks; return those whose parent checkpoint is on disk, to start behind the
+    last writes (as a campaign does with its guess of the next generation)."""
+    known.append(time.perf_counter())
+    if generation + 1 == args.generations:
+        return []
+    written = digests | {k: r["digest"] for k, r in results.items() if r.get("digest")}
+    tasks = write_tasks(root, campaign, manifest, generation + 1, args.members, args.steps, written)
+    return [task for task in tasks if task_parent(task) in written]
+
+
+def task_parent(task) -> str | None:
+    from pbt.protocol.files import read_json
+
+    return read_json(Path(task.task_dir) / "task.json")["parent_id"]
 
 
 def main() -> None:
@@ -121,16 +154,26 @@ def main() -> None:
             else:
                 launcher = LocalLauncher(command, **common)
             walls, works, fitness, digests = [], [], [], {}
+            known = [time.perf_counter()]  # when each generation had every result
+
             try:
                 for generation in range(args.generations):
                     tasks = write_tasks(
                         root, campaign, manifest, generation, args.members, args.steps, digests
                     )
-                    start = time.perf_counter()
-                    outcomes = launcher.run(tasks)
-                    walls.append(time.perf_counter() - start)
+                    count = len(known)
+                    ahead = functools.partial(
+                        next_first, known, root, campaign, manifest, generation, args, digests
+                    )
+                    outcomes = launcher.run(tasks, on_released=ahead)
+                    ended = time.perf_counter()
+                    if len(known) == count:  # every write had ended before the results were in
+                        known.append(ended)
+                    walls.append(known[-1] - known[-2])
                     works.append(0.0)
-                    phases = dict.fromkeys(("setup", "load", "save", "outside the task"), 0.0)
+                    phases = dict.fromkeys(
+                        ("setup", "parent", "load", "save", "outside the task"), 0.0
+                    )
                     written, from_memory, prefetched = 0.0, 0, 0
                     for outcome in outcomes:
                         if outcome.status != "ok":
@@ -140,12 +183,13 @@ def main() -> None:
                         prefetched += bool(outcome.result.get("parent_prefetched"))
                         works[-1] += outcome.result["productive_seconds"]
                         fitness.append(outcome.result["fitness"])
-                        for name in ("setup", "load", "save"):
-                            phases[name] += outcome.result["timings"][name]
+                        for name in ("setup", "parent", "load", "save"):
+                            phases[name] += outcome.result["timings"].get(name, 0.0)
                         written += outcome.result.get("write_s", 0.0)
                     phases["outside the task"] = walls[-1] - sum(
                         sum(o.result["timings"].values()) for o in outcomes
                     )
+                    kept = len(launcher.kept_ahead)
                     print(
                         f"{mode}, generation {generation}: wall {walls[-1]:.1f} s, productive "
                         f"{works[-1]:.1f} s, overhead {(walls[-1] - works[-1]) / walls[-1]:.1%} "
@@ -158,9 +202,15 @@ def main() -> None:
                         + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items())
                         + f" (checkpoint write {written / args.members:.2f} s, in the background "
                         f"on a long-lived worker; parents loaded from memory: {from_memory}, "
-                        f"of which prefetched to the device: {prefetched})",
+                        f"of which prefetched to the device: {prefetched}; started behind the "
+                        f"last writes of the generation before: {kept})",
                         flush=True,
                     )
+                print(
+                    f"{mode}: the last generation's last write took {ended - known[-1]:.2f} s "
+                    "more (once a campaign: nothing follows it)",
+                    flush=True,
+                )
             finally:
                 launcher.close()
             later = (sum(walls[1:]), sum(works[1:]))

@@ -25,6 +25,11 @@ MANIFEST = TINY_CAMPAIGN
 PBT = [sys.executable, "-m", "pbt.cli"]
 
 
+SLOW_WRITES = {"PBT_DELAY_AT": "checkpoint_write:0.5"}
+"""Checkpoint writes that outlast the controller's look at the results, as a 0.5B model's do
+(the tiny model's take milliseconds): the next generation then starts behind them."""
+
+
 def _decisions(directory: Path) -> list[tuple]:
     with CampaignStore(directory / "store.db") as store:
         return [
@@ -42,18 +47,22 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def _kill_worker(task_json: str) -> None:
-    """SIGKILL the member process whose command line names ``task_json`` (not its launcher)."""
+    """SIGKILL the member process whose command line names ``task_json``: torchrun's child,
+    not torchrun itself (both name it; a member outlives its agent once it has connected)."""
+    named = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
             continue
         if b"pbt.worker" in cmdline and any(task_json.encode() in part for part in cmdline):
-            os.kill(int(pid), signal.SIGKILL)
-            return
-    raise AssertionError(f"no worker process for {task_json}")
+            named[pid] = ppid
+    members = [pid for pid, ppid in named.items() if ppid in named]
+    assert members, f"no member process for {task_json} (found {sorted(named)})"
+    os.kill(int(members[0]), signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +78,10 @@ def reference(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     (g001-m02) killed mid-task and retried from its parent: its directory and its output."""
     directory = tmp_path_factory.mktemp("reference") / "campaign"
     proc = subprocess.Popen(
-        [*PBT, "run", str(manifest), "--dir", str(directory)], stdout=subprocess.PIPE, text=True
+        [*PBT, "run", str(manifest), "--dir", str(directory)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **SLOW_WRITES},  # the kill lands before the task's end
     )
     _wait_for(directory / "tasks" / "g001-m02" / "heartbeat", proc)
     _kill_worker("g001-m02/task.json")  # at once: a task of 4 steps is over in seconds
@@ -151,24 +163,38 @@ def test_long_lived_workers_train_the_same_members(
     assert "memory" in froms and set(froms) <= {"memory", "disk"}, froms
 
 
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The manifest on one long-lived worker: at each generation's end one member is still
+    being written, so the next generation's first members start behind it."""
+    path = tmp_path_factory.mktemp("one") / "one_slot.yaml"
+    launch = {**MANIFEST["launch"], "slots": 1, "persistent_workers": True}
+    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    return path
+
+
 def test_members_trained_at_once_equal_members_trained_one_at_a_time(
-    reference: tuple[Path, str], tmp_path: Path
+    reference: tuple[Path, str], one_slot: Path, tmp_path: Path
 ):
     """Two members at a time (the reference: two slots, as ``members_per_gpu: 2`` runs them on
     one GPU) against one at a time on one long-lived worker: bit for bit the same members, at
     the same number of threads per member."""
-    path = tmp_path / "one_slot.yaml"
-    launch = {**MANIFEST["launch"], "slots": 1, "persistent_workers": True}
-    path.write_text(yaml.safe_dump({**MANIFEST, "launch": launch}))
+    path = one_slot
     directory = tmp_path / "campaign"
     # the reference's two slots ran a thread each; one thread here too, or the float sums of
     # CPU matmuls are ordered differently (same decisions, other last bits)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **SLOW_WRITES}
     proc = subprocess.run([*PBT, "run", str(path), "--dir", str(directory)],
                           capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _decisions(directory) == _decisions(reference[0])
     assert _digests(directory) == _digests(reference[0])
+    # each later generation's first members trained while the one before wrote its last
+    # checkpoints (a guess of the next generation, kept because selection chose the same)
+    for generation in (0, 1):
+        assert f"started while generation {generation}'s last checkpoints were written" in (
+            proc.stdout
+        ), proc.stdout
     froms = [
         read_json(p)["parent_from"] for p in (directory / "tasks").glob("g00[12]-*/result.json")
     ]
@@ -190,25 +216,30 @@ def _alive(pgid_file: Path) -> bool:
 
 
 def test_killed_controller_resumes_to_the_same_decisions(
-    persistent: Path, reference: tuple[Path, str], tmp_path: Path
+    one_slot: Path, reference: tuple[Path, str], tmp_path: Path
 ):
-    """A controller SIGKILLed mid-generation (its long-lived workers orphaned), then resumed,
-    makes exactly the decisions of the uninterrupted run (whose members each ran in a process
-    of their own: the two modes train the same members, as the test above shows)."""
+    """A controller SIGKILLed with generation 1's results in, its last checkpoints being
+    written and generation 2's first members already training behind them (its long-lived
+    workers orphaned), then resumed, makes exactly the decisions of the uninterrupted run (whose
+    members each ran in a process of their own: the two modes train the same members, as the
+    test above shows)."""
     straight = reference[0]
     directory = tmp_path / "killed"
     proc = subprocess.Popen(
-        [*PBT, "run", str(persistent), "--dir", str(directory)], stdout=subprocess.DEVNULL
+        [*PBT, "run", str(one_slot), "--dir", str(directory)],
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PBT_CRASH_AT": "ahead:2", "OMP_NUM_THREADS": "1", **SLOW_WRITES},
     )
-    # long-lived workers turn tasks around in about a second: kill as generation 1 starts
-    _wait_for(directory / "tasks" / "g001-m00" / "heartbeat", proc)
-    proc.kill()  # SIGKILL: its members live on as orphans, which the resumed controller ends
-    proc.wait()
+    # its members live on as orphans, which the resumed controller ends
+    assert proc.wait(timeout=600) == -signal.SIGKILL, "no task was started ahead"
     with CampaignStore(directory / "store.db") as store:
         assert store.last_committed_generation() == 0
+        assert {m.status for m in store.members(1)} == {"running"}
+    assert any((directory / "tasks").glob("g002-*/task.json"))
     resumed = subprocess.run(
-        [*PBT, "resume", str(directory)], capture_output=True, text=True, timeout=900
-    )
+        [*PBT, "resume", str(directory)], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _decisions(directory) == _decisions(straight)
     # a library-mode population of the same manifest makes exactly the campaign's decisions

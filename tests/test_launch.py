@@ -428,6 +428,7 @@ SERVING_MEMBER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
+    from threading import Thread
 
     from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
     from pbt.worker.task import _next_entry
@@ -443,14 +444,21 @@ SERVING_MEMBER = textwrap.dedent(
         behaviour = read_json(task_path)["behaviour"]
         if behaviour == "hang":
             time.sleep(600)
+        began = time.time()
         with Heartbeat(task_path.parent / "heartbeat", interval_s=0.1):
             print("serving", task_path.parent.name, flush=True)
             if behaviour == "exit1":
                 sys.exit(1)
             time.sleep(7.0 if behaviour == "slow" else 0.05)
             after = folder / "inbox" / f"{served:06d}.json"
-            result = {"status": "ok", "pid": os.getpid(), "served": served,
+            result = {"status": "ok", "pid": os.getpid(), "served": served, "began": began,
                       "next_handed_over": after.exists()}
+            if behaviour == "release":  # the result now, the "checkpoint" in the background
+                write_json_atomic(task_path.parent / "released", result)
+                done = task_path.parent / "result.json"
+                Thread(target=lambda r=result, d=done: (time.sleep(1.0), write_json_atomic(
+                    d, {**r, "digest": "d"}))).start()
+                continue
             write_json_atomic(task_path.parent / "result.json", result)
     """
 )
@@ -517,3 +525,42 @@ def test_long_lived_worker_gets_its_next_task_ahead_with_clocks_that_wait(tmp_pa
     assert not outcomes[2].result["next_handed_over"]
     assert (["t0-slow"], ["t1-ok", "t2-ok"]) in polls  # t1 handed over, not yet taken
     assert outcomes[1].seconds < 5.0  # its clock started when t0 ended, not at hand-over
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_the_next_calls_tasks_start_while_the_last_results_are_written(tmp_path, changed):
+    """Once every task is released with its result, ``on_released`` gets the results and hands
+    the next call's first task to the idle worker, which starts it while the released tasks'
+    writes still run. The next call keeps it (no second start) when it is given the same task;
+    a task whose ``task.json`` changed meanwhile was a wrong guess: its worker is ended and the
+    task runs afresh."""
+    workers = serving_launcher(tmp_path)
+    first = [make_task(tmp_path, f"a{i}", "release") for i in range(2)]
+    second = [make_task(tmp_path, f"b{i}", "ok") for i in range(2)]
+    calls = []
+
+    def on_released(results):
+        calls.append(results)
+        return second[:1]
+
+    try:
+        outcomes = workers.run(first, on_released=on_released)
+        returned = time.time()
+        if changed:
+            write_json_atomic(second[0].task_dir / "task.json", {"behaviour": "ok", "v": 2})
+        later = workers.run(second)
+        kept = workers.kept_ahead
+    finally:
+        workers.close()
+    assert [o.status for o in outcomes + later] == ["ok"] * 4
+    (results,) = calls  # once, with every result, the released ones without a digest
+    assert set(results) == {"a0", "a1"}
+    assert results["a1"].get("digest") is None and outcomes[1].result["digest"] == "d"
+    pid = outcomes[0].result["pid"]
+    if changed:
+        assert kept == [] and later[0].result["pid"] != pid
+        assert later[0].result["served"] == 1  # a fresh worker
+    else:
+        assert kept == ["b0"] and later[0].result["pid"] == pid
+        assert later[0].result["began"] < returned  # behind the writes, before run() returned
+        assert [o.result["served"] for o in later] == [3, 4]  # each started once

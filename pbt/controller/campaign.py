@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -278,7 +279,12 @@ class Campaign:
             self._trials().record(last, self.store.members(last), final=False)
         while True:
             started = time.monotonic()
-            gpu_seconds += self._train_generation(generation)
+
+            def guess(results, generation=generation, spent=(elapsed, gpu_seconds, started)):
+                elapsed_now = spent[0] + time.monotonic() - spent[2]
+                return self._guess_next(generation, results, rng, elapsed_now, spent[1])
+
+            gpu_seconds += self._train_generation(generation, guess)
             elapsed += time.monotonic() - started
             finished = self.store.members(generation)
             best = max(finished, key=lambda m: m.fitness(self.manifest.population.fitness_window))
@@ -330,13 +336,22 @@ class Campaign:
         finished = self.store.members(generation)
         return self._spent(generation, finished, state["elapsed_s"], state["gpu_seconds"])
 
-    def _next_generation(self, generation: int, finished: list[MemberRecord], rng: random.Random):
+    def _next_generation(
+        self,
+        generation: int,
+        finished: list[MemberRecord],
+        rng: random.Random,
+        members: list[MemberRecord] | None = None,
+    ):
+        """``generation``'s successors and the selection events; ``members`` stands for the
+        store's members of every generation (a guess made before they are recorded)."""
         if self.manifest.search.strategy == "optuna":
             return self._trials().next_trials(generation, finished)
         selected = self.selection.select(finished, rng)
         explore = self.mutations
         if self.manifest.search.strategy == "pb2":
-            explore = build_pb2(self.manifest, self.store.members(), generation)
+            members = self.store.members() if members is None else members
+            explore = build_pb2(self.manifest, members, generation)
         members = breed(selected, generation + 1, explore, rng)
         return members, selection_events(selected, members)
 
@@ -344,23 +359,33 @@ class Campaign:
         return Trials(self.manifest, self.store, self.dir)
 
     def _stop_reason(
-        self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
+        self,
+        generation: int,
+        finished: list[MemberRecord],
+        elapsed: float,
+        gpu_seconds: float,
+        members: list[MemberRecord] | None = None,
     ) -> str:
-        reached = exhausted(
-            self.manifest.budget, self._spent(generation, finished, elapsed, gpu_seconds)
-        )
+        spent = self._spent(generation, finished, elapsed, gpu_seconds, members)
+        reached = exhausted(self.manifest.budget, spent)
         return reached[0][1] if reached else ""
 
     def _spent(
-        self, generation: int, finished: list[MemberRecord], elapsed: float, gpu_seconds: float
+        self,
+        generation: int,
+        finished: list[MemberRecord],
+        elapsed: float,
+        gpu_seconds: float,
+        members: list[MemberRecord] | None = None,
     ) -> Spent:
-        """What the campaign has used once ``generation`` (its members ``finished``) is done."""
+        """What the campaign has used once ``generation`` (its members ``finished``) is done;
+        ``members`` stands for the store's (see :meth:`_next_generation`)."""
         # each member that trained (not one replaced by a clone) trained evo_steps steps, or
         # fewer when it collapsed; its own step count is its lineage's, parents' steps included
         evo_steps = self.manifest.population.evo_steps
         total_steps = sum(
             int(m.metrics.get("trained_steps", evo_steps))
-            for m in self.store.members()
+            for m in (self.store.members() if members is None else members)
             if m.status == "done"
             and m.generation <= generation
             and not (m.mutation or "").startswith("replaced")
@@ -376,8 +401,56 @@ class Campaign:
 
     # -- one generation --------------------------------------------------------------------
 
-    def _train_generation(self, generation: int) -> float:
-        """Train every unfinished member of ``generation``; returns GPU-seconds used."""
+    def _guess_next(
+        self,
+        generation: int,
+        results: dict[str, dict[str, Any]],
+        rng: random.Random,
+        elapsed: float,
+        gpu_seconds: float,
+    ) -> list[TaskSpec]:
+        """The next generation's first tasks, chosen from ``generation``'s ``results`` while
+        its last checkpoints are still being written: the launcher starts them on the idle
+        workers at once, so that the writes overlap training.
+
+        Nothing is recorded: the generation is committed as always, once every checkpoint is
+        on disk, with selection run again from the committed records and the same RNG state;
+        the launcher keeps a task started here only if the committed one is the same task, so
+        a guess that does not hold (a write that failed, a budget reached meanwhile) costs the
+        work started on it, never a decision. Only members whose parent checkpoint is already
+        on disk are started. Optuna's trials are not guessed: asking the study records them.
+        """
+        if self.manifest.search.strategy == "optuna":
+            return []
+        members = [
+            self._applied(replace(m), results[m.member_id]) if m.member_id in results else m
+            for m in self.store.members()
+        ]
+        finished = [m for m in members if m.generation == generation]
+        if self._stop_reason(generation, finished, elapsed, gpu_seconds, members):
+            return []
+        guessed = random.Random()
+        guessed.setstate(rng.getstate())
+        successors, _ = self._next_generation(generation, finished, guessed, members)
+        written = {r["checkpoint"]: r["digest"] for r in results.values() if r.get("digest")}
+        tasks = []
+        for m in successors:
+            parent = m.parent_checkpoint
+            digest = written.get(parent) if parent else None
+            if parent and digest is None:
+                digest = self.store.checkpoint_digest(parent)
+            if digest is not None:
+                tasks.append(self._task(replace(m, attempts=m.attempts + 1), digest))
+        return tasks
+
+    def _train_generation(
+        self,
+        generation: int,
+        guess: Callable[[dict[str, dict[str, Any]]], list[TaskSpec]] | None = None,
+    ) -> float:
+        """Train every unfinished member of ``generation``; returns GPU-seconds used.
+        ``guess`` (:meth:`_guess_next`) is asked for the next generation's first tasks once
+        every member's result is known."""
         launch = self.manifest.launch
         gpu_seconds = 0.0
         pending = [m for m in self.store.members(generation) if m.status != "done"]
@@ -410,10 +483,17 @@ class Campaign:
                 m.status = "running"
                 self.store.update_member(m)
             crash_point("launch")
-            tasks = [self._task(m, adopted.pop(m.member_id, None)) for m in pending]
+            tasks = [self._task(m, adopt=adopted.pop(m.member_id, None)) for m in pending]
             attempts.update({m.member_id: m.attempts for m in pending})
             with display:  # its bars end with the round, before the members' lines
-                outcomes = launcher.run(tasks, on_start=started, on_poll=display.poll)
+                outcomes = launcher.run(
+                    tasks, on_start=started, on_poll=display.poll, on_released=guess
+                )
+            if launcher.kept_ahead:
+                self.say(
+                    f"  {', '.join(launcher.kept_ahead)} started while generation "
+                    f"{generation - 1}'s last checkpoints were written"
+                )
             retry, disk_full, lost = [], None, []
             for m, outcome in zip(pending, outcomes, strict=True):
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
@@ -467,7 +547,9 @@ class Campaign:
         detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
         return replace(outcome, status="bad_result", detail=detail)
 
-    def _task(self, m: MemberRecord, adopt: str | None = None) -> TaskSpec:
+    def _task(
+        self, m: MemberRecord, parent_digest: str | None = None, adopt: str | None = None
+    ) -> TaskSpec:
         plain_name(m.member_id, f"a member id in {self.store.path}")
         if m.parent_checkpoint:
             self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
@@ -484,7 +566,7 @@ class Campaign:
                 "parent_id": m.parent_id,
                 "parent_checkpoint": m.parent_checkpoint,
                 "parent_digest": (
-                    self.store.checkpoint_digest(m.parent_checkpoint)
+                    parent_digest or self.store.checkpoint_digest(m.parent_checkpoint)
                     if m.parent_checkpoint
                     else None
                 ),
@@ -552,8 +634,9 @@ class Campaign:
             ),
         )
 
-    def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
-        result = outcome.result or {}
+    @staticmethod
+    def _applied(m: MemberRecord, result: dict[str, Any]) -> MemberRecord:
+        """``m`` (changed in place) as its task's ``result`` leaves it: done, with its fitness."""
         fault = result.get("fault") or {}
         trained = int(result["steps"]) - m.steps  # m.steps: its parent's, until now
         m.status = "done"
@@ -563,6 +646,13 @@ class Campaign:
         m.steps = int(result["steps"])
         m.collapsed = fault.get("kind") == COLLAPSED
         m.metrics = _signal_figures(result.get("metrics", {})) | {"trained_steps": trained}
+        return m
+
+    def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
+        result = outcome.result or {}
+        fault = result.get("fault") or {}
+        trained = int(result["steps"]) - m.steps
+        self._applied(m, result)
         self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
         self.store.update_member(m)
         if m.collapsed:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from pbt.config.errors import PbtError
 from pbt.protocol import faults
+from pbt.protocol.crash import crash_point
 from pbt.protocol.files import RELEASED, read_json, write_json_atomic
 
 KILL_GRACE_S = 5.0
@@ -133,6 +134,9 @@ class _Running:
     :attr:`LocalLauncher.ahead`)."""
     taken: bool = False  # handed ahead, and its worker has started it (it heartbeats)
     ended: bool = False
+    handed: dict[str, Any] | None = None
+    """For a task of the next call handed to a worker early (see :meth:`LocalLauncher.run`'s
+    ``on_released``): its ``task.json`` as handed, which the next call must match to keep it."""
 
 
 class LocalLauncher:
@@ -199,6 +203,10 @@ class LocalLauncher:
         self.memory_limit_bytes = memory_limit_bytes
         self.started: dict[str, str] = {}
         """Task id -> the process group id (or job id) that runs its latest attempt."""
+        self._next: dict[str, _Running] = {}
+        """Tasks of the next :meth:`run` handed to workers ahead, by task id."""
+        self.kept_ahead: list[str] = []
+        """The tasks of the last :meth:`run` that the one before had started (``on_released``)."""
         self.slot_gpus = [
             ",".join(str(g) for g in ids[j * gpus_per_member : (j + 1) * gpus_per_member])
             for j in (i // max(1, members_per_gpu) for i in range(slots))
@@ -211,6 +219,7 @@ class LocalLauncher:
         on_start: Callable[[TaskSpec, int], object] | None = None,
         on_done: Callable[[Outcome], object] | None = None,
         on_poll: Callable[[list[TaskSpec], list[TaskSpec]], object] | None = None,
+        on_released: Callable[[dict[str, dict[str, Any]]], list[TaskSpec]] | None = None,
     ) -> list[Outcome]:
         """Run every task and return their outcomes in the order of ``tasks``.
 
@@ -218,13 +227,31 @@ class LocalLauncher:
         start and end, ``on_poll(running, queued)`` after each check of the running tasks
         (every ``poll_s``), where progress is shown. On any exception (KeyboardInterrupt
         included) every running process group is killed before it propagates.
+
+        ``on_released(results)`` is called once, when every task has ended ok or been released
+        by its long-lived worker with its result (its checkpoint still being written):
+        ``results`` maps each task id to its result, the released ones' without a digest. It
+        returns tasks of the *next* call (their ``task.json`` written), which idle workers start
+        at once, behind the writes: the next call keeps each one whose ``TaskSpec`` and
+        ``task.json`` it is given unchanged, and ends the worker of any other (it was a guess
+        that did not hold). A generation's last checkpoint write then overlaps the next
+        generation's first members instead of holding up the device.
         """
         self._check_tasks(tasks)
-        queue = collections.deque(enumerate(tasks))
         holding: list[list[_Running]] = [[] for _ in range(self.slots)]
         """Each slot's tasks not yet released, in the order its worker takes them."""
         running: list[_Running] = []
         outcomes: dict[int, Outcome] = {}
+        adopted = self._adopt(tasks)
+        for item in adopted:
+            holding[item.slot].append(item)
+            running.append(item)
+            self.started[item.task.task_id] = str(item.proc.pid)
+            if on_start is not None:
+                on_start(item.task, item.slot)
+        self.kept_ahead = [item.task.task_id for item in adopted]
+        kept = {item.index for item in adopted}
+        queue = collections.deque((i, t) for i, t in enumerate(tasks) if i not in kept)
         try:
             while queue or running:
                 while queue and (slot := self._next_slot(holding, queue[0][1])) is not None:
@@ -256,6 +283,13 @@ class LocalLauncher:
                     outcomes[item.index] = outcome
                     if on_done is not None:
                         on_done(outcome)
+                if on_released is not None and not queue and self._all_released(running, outcomes):
+                    results = self._results(running, outcomes)
+                    if results is not None:
+                        self._hand_next(on_released(results), holding, running)
+                        on_released = None
+                        if self._next:
+                            crash_point("ahead")
                 if on_poll is not None:
                     ahead = [item for item in running if not self._took(item)]
                     on_poll(
@@ -265,9 +299,71 @@ class LocalLauncher:
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:
-            _kill_groups([item.proc for item in running])
+            _kill_groups([item.proc for item in [*running, *self._next.values()]])
+            self._next.clear()
             raise
         return [outcomes[i] for i in range(len(tasks))]
+
+    @staticmethod
+    def _all_released(running: list[_Running], outcomes: dict[int, Outcome]) -> bool:
+        """Whether every task ended ok or was released, and some are still writing."""
+        return (
+            bool(running)
+            and all(item.released for item in running)
+            and all(o.status == "ok" for o in outcomes.values())
+        )
+
+    @staticmethod
+    def _results(
+        running: list[_Running], outcomes: dict[int, Outcome]
+    ) -> dict[str, dict[str, Any]] | None:
+        """Every task's result: the ended ones' and the released ones' (from RELEASED); None
+        while one of those cannot be read."""
+        results = {o.task_id: o.result or {} for o in outcomes.values()}
+        for item in running:
+            result = read_json(Path(item.task.task_dir) / RELEASED)
+            if not isinstance(result, dict) or result.get("status") != "ok":
+                return None
+            results[item.task.task_id] = result
+        return results
+
+    def _hand_next(
+        self, tasks: list[TaskSpec], holding: list[list[_Running]], running: list[_Running]
+    ) -> None:
+        """Start ``tasks`` (the next call's) on the idle slots' workers, one a slot, in order."""
+        idle = [slot for slot, held in enumerate(holding) if not held]
+        for task in tasks:
+            slot = next((s for s in idle if self._queues(s, task)), None)
+            if slot is None:
+                continue
+            idle.remove(slot)
+            item = self._start(-1, task, slot, {r.port for r in running})
+            item.behind = next((r for r in running if r.slot == slot), None)
+            item.handed = read_json(Path(task.task_dir) / "task.json")
+            self._next[task.task_id] = item
+
+    def _adopt(self, tasks: list[TaskSpec]) -> list[_Running]:
+        """The tasks of this call that the last one handed ahead unchanged (their index set);
+        the worker of every other task handed ahead is ended."""
+        handed, self._next = self._next, {}
+        kept = []
+        for index, task in enumerate(tasks):
+            item = handed.get(task.task_id)
+            if (
+                item is not None
+                and item.task == task
+                and read_json(Path(task.task_dir) / "task.json") == item.handed
+            ):
+                del handed[task.task_id]
+                item.index = index
+                kept.append(item)
+        for item in handed.values():
+            self._discard(item)
+        return kept
+
+    def _discard(self, item: _Running) -> None:
+        """End a task handed ahead that is not to run."""
+        _kill_groups([item.proc])
 
     ahead = 0
     """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
@@ -569,8 +665,15 @@ class PersistentLauncher(LocalLauncher):
             outcome = dataclasses.replace(outcome, detail=detail)
         return outcome
 
+    def _discard(self, item: _Running) -> None:
+        self._drop(item)
+
     def close(self) -> None:
-        """Ask every worker to stop, and kill those that have not within the grace period."""
+        """Ask every worker to stop, and kill those that have not within the grace period (at
+        once, one that was handed a task ahead that will not run)."""
+        for item in self._next.values():
+            self._discard(item)
+        self._next.clear()
         for worker in self._workers.values():
             with contextlib.suppress(OSError):
                 (worker.folder / "stop").touch()

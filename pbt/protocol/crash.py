@@ -7,10 +7,14 @@ crash point costs one dictionary lookup. The points:
 
 - ``launch``: members marked running in the store, no process started yet;
 - ``task``: a member task started, the others queued or running (orphans are left behind);
+- ``ahead``: a generation's results all in, the next generation's first members started on
+  idle workers while its last checkpoints are written, nothing committed;
 - ``selection``: a generation trained, its successors selected and mutated, nothing committed;
 - ``store``: inside the generation's store transaction, every row written, not committed;
 - ``gc``: one unreferenced checkpoint deleted from disk, the store not yet told.
 
+``PBT_DELAY_AT=checkpoint_write:0.5`` makes every checkpoint write of this process start 0.5 s
+late, as a slow disk would (see :func:`delay_point`): for the tests of what overlaps a write.
 ``PBT_FAULT_AT=disk_full:2`` makes the second checkpoint file this process writes fail with
 ``OSError(ENOSPC)`` before a byte of it lands, as a full disk would (see
 :func:`fault_point`). Members inherit the variable from the controller.
@@ -21,8 +25,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
-POINTS = ("launch", "task", "selection", "store", "gc")
+POINTS = ("launch", "task", "ahead", "selection", "store", "gc")
 FAULTS = ("disk_full",)
 _hits: dict[str, int] = {}
 _fault_hits: dict[str, int] = {}
@@ -55,3 +60,12 @@ def fault_point(name: str, path: str | os.PathLike[str]) -> None:
     """
     if _chosen("PBT_FAULT_AT", name, _fault_hits):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def delay_point(name: str) -> None:
+    """Sleep the seconds ``PBT_DELAY_AT`` (``point:seconds``) gives, if it names ``name``."""
+    spec = os.environ.get("PBT_DELAY_AT")
+    if spec:
+        point, _, seconds = spec.partition(":")
+        if point == name:
+            time.sleep(float(seconds))

@@ -13,7 +13,9 @@ from typing import Any
 
 RELEASED = "released"
 """Written by a long-lived worker in a task's folder once the task no longer needs the device
-(its state is in host memory, its checkpoint being written): the slot may take the next task."""
+(its state is in host memory, its checkpoint being written): the slot may take the next task.
+It holds the task's result without the checkpoint's digest (``result.json`` follows once the
+checkpoint is on disk)."""
 
 
 def _json_beside(path: Path, obj: Any, durable: bool = True) -> str:

@@ -81,13 +81,15 @@ def start_task(
     host=None,
     heartbeat: Heartbeat | None = None,
     ahead: ParentAhead | None = None,
+    loaded: Callable[[], object] | None = None,
 ) -> tuple[dict[str, Any], Any, Any]:
     """Train and evaluate the member described by ``task`` and snapshot its state to host
     memory (every rank calls this; rank 0 reports its progress to ``heartbeat``). Returns the
     result without its checkpoint's digest, the host, and on rank 0 the call that writes the
     checkpoint (:func:`finish_task`), which needs neither the device nor the other ranks; None
     on the others. A long-lived worker passes its ``ahead``: the parent it prefetched for this
-    task, if any, and where to prefetch the next task's parent while this one trains."""
+    task, if any, and where to prefetch the next task's parent while this one trains, and
+    ``loaded``, called once the member is set up and its parent loaded."""
     import torch
 
     from pbt.algorithms.member import Host, Member, seed_everything
@@ -117,6 +119,7 @@ def start_task(
         held = ahead.take(*key) if ahead is not None else None
         prefetched = held is not None
         held = held if prefetched else STATES.get(*key)
+    marks.append(("parent", time.perf_counter()))  # found in memory, or a prefetch waited for
     if parent:
         member.load(parent, held, owned=prefetched)
     member.learner.apply_hyperparameters(task["hyperparameters"])
@@ -133,6 +136,8 @@ def start_task(
     }
     started = time.perf_counter()
     marks.append(("load", started))
+    if loaded is not None:
+        loaded()
     history = _train(member, task["steps"], progress, ahead)
     marks.append(("train", time.perf_counter()))
     progress.phase("evaluating")
@@ -329,7 +334,10 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
     ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
     ``result.json``, from a background thread while the next task trains; the task heartbeats
-    until its result is written. At most one write is in flight. Ends on a ``stop`` file, when
+    until its result is written. At most one write is in flight. When the next task is already
+    handed over, the write starts once that task has loaded its member: the write's first
+    steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
+    member, which nothing overlaps. Ends on a ``stop`` file, when
     the folder is gone, or after ``idle_timeout_s`` without a task, in each case after the
     write in flight. A task that fails ends the worker (exit 2), since its ranks may be out of
     step; so does a failed write (the task in training then fails with it, and is retried).
@@ -341,6 +349,8 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     ahead = ParentAhead(folder) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
     try:
         while True:
+            if writing is not None and not (folder / "inbox" / f"{taken:06d}.json").exists():
+                writing.go()  # no task waits to load a member: nothing for the write to slow
             entry = _next_entry(folder, taken, idle_timeout_s, poll_s)
             if entry is None:
                 return 0
@@ -358,21 +368,22 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                     if ahead is not None:
                         ahead.number = taken  # the entry after this one
                     try:
-                        result, host, write = start_task(task, host, beat, ahead)
+                        go = writing.go if writing is not None else None
+                        result, host, write = start_task(task, host, beat, ahead, go)
                     except BaseException as err:
                         if not _failed(task_path.parent, err):
                             raise
                         return 2
                 if rank == 0:
                     if writing is not None:
-                        writing.join()
+                        writing.finish()
                     # the write owns the heartbeat from here on, till the result is written
                     writing = _Writer(
                         task_path.parent, entry["log"], result, write, stack.pop_all()
                     )
     finally:
         if writing is not None:
-            writing.join()
+            writing.finish()
         shutdown()
 
 
@@ -391,8 +402,21 @@ class _Writer(threading.Thread):
         super().__init__(name="pbt-checkpoint-writer", daemon=True)
         self.task_dir, self.log, self.result = task_dir, log, result
         self.write, self.heartbeat = write, heartbeat
-        (task_dir / RELEASED).touch()
-        self.start()
+        # the result but the checkpoint's digest: the controller may choose the next generation
+        # from it while the write runs (the task ends when result.json arrives)
+        write_json_atomic(task_dir / RELEASED, result, durable=False)
+        self.going = False
+
+    def go(self) -> None:
+        """Start the write (once)."""
+        if not self.going:
+            self.going = True
+            self.start()
+
+    def finish(self) -> None:
+        """Start the write if it has not started, and wait for its end."""
+        self.go()
+        self.join()
 
     def run(self) -> None:
         try:
