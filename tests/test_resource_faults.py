@@ -297,6 +297,29 @@ def test_what_a_killed_write_left_behind_is_collected(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".keep", "g000-m00", "g000-m01", "g000-m02"]
 
 
+def test_the_writes_of_members_started_ahead_are_not_collected(tmp_path):
+    """After a commit, members of the next generation may already run (started behind the
+    last writes): the temporary folders of their checkpoints are writes in flight, not
+    leftovers, and stay; a cut-off write of any other member goes."""
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 1})
+    campaign = Campaign.start(manifest, tmp_path / "c", member_command=FAKE)
+    folder = tmp_path / "c" / "checkpoints"
+    for name in (".g001-m00.tmp-0a1b2c3d", ".g001-m01.tmp-0a1b2c3d", ".g001-m02.old-0a1b2c3d"):
+        (folder / name).mkdir(parents=True)
+
+    class Ahead:  # the campaign's long-lived launcher, with two members started ahead
+        def handed_ahead(self) -> set[str]:
+            return {"g001-m00", "g001-m02"}
+
+    campaign._workers = Ahead()
+    campaign._collect_garbage()
+    campaign._workers = None
+    campaign.close()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".g001-m00.tmp-0a1b2c3d", ".g001-m02.old-0a1b2c3d",
+    ]  # fmt: skip
+
+
 REAL_MEMBER = {
     "model": {"name": "builtin:tiny"},
     "algorithm": {"group_size": 4, "prompts_per_step": 2},

@@ -288,7 +288,7 @@ class Campaign:
             elapsed += time.monotonic() - started
             finished = self.store.members(generation)
             best = max(finished, key=lambda m: m.fitness(self.manifest.population.fitness_window))
-            reason = self._stop_reason(generation, finished, elapsed, gpu_seconds)
+            reason = self._stop_reason(self._spent(generation, finished, elapsed, gpu_seconds))
             next_members, events = (
                 ([], []) if reason else self._next_generation(generation, finished, rng)
             )
@@ -358,15 +358,7 @@ class Campaign:
     def _trials(self) -> Trials:
         return Trials(self.manifest, self.store, self.dir)
 
-    def _stop_reason(
-        self,
-        generation: int,
-        finished: list[MemberRecord],
-        elapsed: float,
-        gpu_seconds: float,
-        members: list[MemberRecord] | None = None,
-    ) -> str:
-        spent = self._spent(generation, finished, elapsed, gpu_seconds, members)
+    def _stop_reason(self, spent: Spent) -> str:
         reached = exhausted(self.manifest.budget, spent)
         return reached[0][1] if reached else ""
 
@@ -427,7 +419,7 @@ class Campaign:
             for m in self.store.members()
         ]
         finished = [m for m in members if m.generation == generation]
-        if self._stop_reason(generation, finished, elapsed, gpu_seconds, members):
+        if self._stop_reason(self._spent(generation, finished, elapsed, gpu_seconds, members)):
             return []
         guessed = random.Random()
         guessed.setstate(rng.getstate())
@@ -736,8 +728,11 @@ class Campaign:
 
     def _collect_garbage(self) -> None:
         """Delete checkpoints nothing references any more, and what writes that were cut off
-        left behind (disk stays bounded). No member runs while this does. A recorded path that
-        leads outside the checkpoints folder is forgotten, its target left alone."""
+        left behind (disk stays bounded). No member runs while this does but the next
+        generation's members started ahead (:meth:`_guess_next`), whose checkpoints may be
+        being written: their temporary folders are left alone. A recorded path that leads
+        outside the checkpoints folder is forgotten, its target left alone."""
+        writing = set() if self._workers is None else self._workers.handed_ahead()
         for path in self.store.unreferenced_checkpoints():
             try:
                 self._checkpoint_path(path, "an unreferenced checkpoint")
@@ -750,7 +745,8 @@ class Campaign:
         folder = self.dir / "checkpoints"
         if folder.is_dir() and not folder.is_symlink():
             for leftover in folder.glob(".*"):
-                if ".tmp-" in leftover.name or ".old-" in leftover.name:
+                name = leftover.name[1:].partition(".tmp-")[0].partition(".old-")[0]
+                if name != leftover.name[1:] and name not in writing:
                     _remove(leftover)
 
 

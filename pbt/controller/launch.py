@@ -304,6 +304,10 @@ class LocalLauncher:
             raise
         return [outcomes[i] for i in range(len(tasks))]
 
+    def handed_ahead(self) -> set[str]:
+        """The ids of the next call's tasks started ahead (see :meth:`run`'s ``on_released``)."""
+        return set(self._next)
+
     @staticmethod
     def _all_released(running: list[_Running], outcomes: dict[int, Outcome]) -> bool:
         """Whether every task ended ok or was released, and some are still writing."""
