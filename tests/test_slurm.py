@@ -31,7 +31,8 @@ import pytest
 import yaml
 
 from pbt.config.campaign import SlurmConfig
-from pbt.controller.launch import JOB_CANCEL_WAIT_S, TaskSpec
+from pbt.controller.launch import TaskSpec
+from pbt.controller.processes import JOB_CANCEL_WAIT_S
 from pbt.controller.report import status_text
 from pbt.controller.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.controller.store import CampaignStore

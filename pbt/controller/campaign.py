@@ -22,6 +22,7 @@ by clones that would fail the same way: free space, then ``pbt resume``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -279,11 +280,9 @@ class Campaign:
             self._trials().record(last, self.store.members(last), final=False)
         while True:
             started = time.monotonic()
-
-            def guess(results, generation=generation, spent=(elapsed, gpu_seconds, started)):
-                elapsed_now = spent[0] + time.monotonic() - spent[2]
-                return self._guess_next(generation, results, rng, elapsed_now, spent[1])
-
+            guess = functools.partial(
+                self._guess_next, generation, rng=rng, spent=(elapsed, gpu_seconds, started)
+            )
             gpu_seconds += self._train_generation(generation, guess)
             elapsed += time.monotonic() - started
             finished = self.store.members(generation)
@@ -398,8 +397,7 @@ class Campaign:
         generation: int,
         results: dict[str, dict[str, Any]],
         rng: random.Random,
-        elapsed: float,
-        gpu_seconds: float,
+        spent: tuple[float, float, float],
     ) -> list[TaskSpec]:
         """The next generation's first tasks, chosen from ``generation``'s ``results`` while
         its last checkpoints are still being written: the launcher starts them on the idle
@@ -411,6 +409,8 @@ class Campaign:
         a guess that does not hold (a write that failed, a budget reached meanwhile) costs the
         work started on it, never a decision. Only members whose parent checkpoint is already
         on disk are started. Optuna's trials are not guessed: asking the study records them.
+        ``spent``: the campaign's elapsed and GPU seconds before ``generation``, and when
+        ``generation`` started (``time.monotonic()``).
         """
         if self.manifest.search.strategy == "optuna":
             return []
@@ -419,6 +419,8 @@ class Campaign:
             for m in self.store.members()
         ]
         finished = [m for m in members if m.generation == generation]
+        elapsed, gpu_seconds, started = spent
+        elapsed += time.monotonic() - started
         if self._stop_reason(self._spent(generation, finished, elapsed, gpu_seconds, members)):
             return []
         guessed = random.Random()
@@ -642,13 +644,12 @@ class Campaign:
 
     def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
         result = outcome.result or {}
-        fault = result.get("fault") or {}
-        trained = int(result["steps"]) - m.steps
         self._applied(m, result)
+        trained = int(m.metrics["trained_steps"])
         self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
         self.store.update_member(m)
         if m.collapsed:
-            detail = str(fault.get("detail", ""))
+            detail = str((result.get("fault") or {}).get("detail", ""))
             self.store.record_fault(m.generation, m.member_id, m.attempts, COLLAPSED, detail)
         self.log.member_finished(m, result)
         how = (

@@ -29,10 +29,7 @@ import contextlib
 import dataclasses
 import os
 import re
-import resource
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,15 +39,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pbt.config.errors import PbtError
+from pbt.controller.processes import (
+    KILL_GRACE_S,
+    describe_exit,
+    kill_groups,
+    kill_orphan,
+    log_tail,
+    memory_limiter,
+    port_is_free,
+)
 from pbt.protocol import faults
 from pbt.protocol.crash import crash_point
 from pbt.protocol.files import RELEASED, read_json, write_json_atomic
 
-KILL_GRACE_S = 5.0
-"""Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
-JOB_CANCEL_WAIT_S = 120.0
-"""Seconds to wait for a cancelled job to end (Slurm's KillWait is 30 s by default)."""
-LOG_TAIL_LINES = 20
 _AGENT_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 """The worker's exit code in torchrun's failure summary (its first observed failure first)."""
 
@@ -299,7 +300,7 @@ class LocalLauncher:
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:
-            _kill_groups([item.proc for item in [*running, *self._next.values()]])
+            kill_groups([item.proc for item in [*running, *self._next.values()]])
             self._next.clear()
             raise
         return [outcomes[i] for i in range(len(tasks))]
@@ -367,7 +368,7 @@ class LocalLauncher:
 
     def _discard(self, item: _Running) -> None:
         """End a task handed ahead that is not to run."""
-        _kill_groups([item.proc])
+        kill_groups([item.proc])
 
     ahead = 0
     """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
@@ -460,13 +461,13 @@ class LocalLauncher:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=None if limit is None else _memory_limiter(limit),
+                preexec_fn=None if limit is None else memory_limiter(limit),
             )
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
         first = self.base_port + 10 * slot
         for port in range(first, min(first + 1000, 65536)):
-            if port not in taken and _port_is_free(port):
+            if port not in taken and port_is_free(port):
                 return port
         raise PbtError(
             f"no free port in {first}..{first + 999} on 127.0.0.1; set another base_port"
@@ -476,7 +477,7 @@ class LocalLauncher:
         """The task's outcome if it has ended (or was killed just now), else None."""
         returncode = item.proc.poll()
         if returncode is not None:
-            _kill_groups([item.proc])  # stragglers the leader left behind
+            kill_groups([item.proc])  # stragglers the leader left behind
             status, result, detail = _classify_exit(item.task.task_dir, returncode)
             if status == "failed":
                 status, detail = _fault(item.task, detail, Path(item.task.log_path))
@@ -485,9 +486,9 @@ class LocalLauncher:
         if overdue is None:
             return None
         status, reason = overdue
-        (returncode,) = _kill_groups([item.proc])
+        (returncode,) = kill_groups([item.proc])
         return self._outcome(
-            item, returncode, status, None, f"{reason}; {_describe_exit(returncode)}"
+            item, returncode, status, None, f"{reason}; {describe_exit(returncode)}"
         )
 
     def _overdue(self, item: _Running) -> tuple[OutcomeStatus, str] | None:
@@ -521,7 +522,7 @@ class LocalLauncher:
         result: dict[str, Any] | None,
         detail: str,
     ) -> Outcome:
-        tail = _log_tail(Path(item.task.log_path)) if status != "ok" else ""
+        tail = log_tail(Path(item.task.log_path)) if status != "ok" else ""
         if tail:
             detail = f"{detail}\n--- last lines of {item.task.log_path} ---\n{tail}"
         seconds = time.monotonic() - item.started
@@ -594,7 +595,7 @@ class PersistentLauncher(LocalLauncher):
             (task_dir / stale).unlink(missing_ok=True)
         worker = self._workers.get(slot)
         if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
-            _kill_groups([worker.proc])
+            kill_groups([worker.proc])
             worker = None
         if worker is None:
             worker = self._spawn(slot, task.nproc, taken_ports)
@@ -640,7 +641,7 @@ class PersistentLauncher(LocalLauncher):
                     item, 0, "no_result", None, "the worker exited 0 without finishing the task"
                 )
             log = self._folder(item.slot) / "worker.log"
-            status, detail = _fault(item.task, _describe_exit(returncode), log)
+            status, detail = _fault(item.task, describe_exit(returncode), log)
             return self._outcome(item, returncode, status, None, detail)
         overdue = self._overdue(item)
         if overdue is None:
@@ -648,12 +649,12 @@ class PersistentLauncher(LocalLauncher):
         status, reason = overdue
         returncode = self._drop(item)
         return self._outcome(
-            item, returncode, status, None, f"{reason}; the worker was {_describe_exit(returncode)}"
+            item, returncode, status, None, f"{reason}; the worker was {describe_exit(returncode)}"
         )
 
     def _drop(self, item: _Running) -> int:
         """Kill the worker that ran ``item`` (and its group); the slot starts a fresh one."""
-        (returncode,) = _kill_groups([item.proc])
+        (returncode,) = kill_groups([item.proc])
         worker = self._workers.get(item.slot)
         if worker is not None and worker.proc is item.proc:
             del self._workers[item.slot]
@@ -663,7 +664,7 @@ class PersistentLauncher(LocalLauncher):
         outcome = super()._outcome(item, returncode, status, result, detail)
         if status == "ok":
             return outcome
-        tail = _log_tail(self._folder(item.slot) / "worker.log")
+        tail = log_tail(self._folder(item.slot) / "worker.log")
         if tail:
             detail = f"{outcome.detail}\n--- last lines of the worker's own log ---\n{tail}"
             outcome = dataclasses.replace(outcome, detail=detail)
@@ -685,7 +686,7 @@ class PersistentLauncher(LocalLauncher):
         for worker in self._workers.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(max(0.0, deadline - time.monotonic()))
-        _kill_groups([w.proc for w in self._workers.values()])
+        kill_groups([w.proc for w in self._workers.values()])
         self._workers.clear()
 
 
@@ -694,7 +695,7 @@ def _classify_exit(
 ) -> tuple[OutcomeStatus, dict[str, Any] | None, str]:
     """Status, result and detail of a task that exited by itself."""
     if returncode != 0:
-        return "failed", None, _describe_exit(returncode)
+        return "failed", None, describe_exit(returncode)
     path = Path(task_dir) / "result.json"
     result = read_json(path)
     if result is None and path.exists():
@@ -711,39 +712,17 @@ def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
     worker's exit code first; ``out_of_memory``, ``disk_full``, ``diverged``,
     ``reward_error`` or ``config_error`` when the fault was of that kind (or the log ends in a MemoryError), else
     ``failed``."""
-    tail = _log_tail(Path(task.log_path)) or _log_tail(log)
+    tail = log_tail(Path(task.log_path)) or log_tail(log)
     cause = faults.read_cause(task.task_dir)
     fault = faults.read(task.task_dir, tail)
     status: OutcomeStatus = fault[0] if fault is not None else "failed"
     if cause is not None:
-        code = "" if cause.exit_code is None else f"; worker {_describe_exit(cause.exit_code)}"
+        code = "" if cause.exit_code is None else f"; worker {describe_exit(cause.exit_code)}"
         return status, f"{cause.message}{code}"
     worker = _AGENT_EXITCODE.search(tail)
     if worker is not None:
-        detail = f"{detail} (worker {_describe_exit(int(worker.group(1)))})"
+        detail = f"{detail} (worker {describe_exit(int(worker.group(1)))})"
     return status, detail if fault is None else f"{fault[1]}; {detail}"
-
-
-def _memory_limiter(limit: int) -> Callable[[], None]:
-    """What the child runs before exec: cap its data segment (inherited by every process it
-    starts) at ``limit`` bytes, or the hard limit if that is lower."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
-    return apply
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _last_beat(path: Path, started_wall: float) -> float:
@@ -752,110 +731,3 @@ def _last_beat(path: Path, started_wall: float) -> float:
         return max(path.stat().st_mtime, started_wall)
     except OSError:
         return started_wall
-
-
-def _kill_groups(procs: list[Any]) -> list[int]:
-    """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
-
-    The groups share one grace period, so stopping many tasks takes no longer than one. A job
-    (anything with ``cancel``, e.g. a Slurm job) is cancelled instead, and waited for.
-    """
-    for proc in procs:
-        if hasattr(proc, "cancel") and proc.poll() is None:
-            proc.cancel()
-    jobs = {id(p) for p in procs if hasattr(p, "cancel")}
-    if jobs:
-        codes = {}
-        for proc in procs:
-            if id(proc) in jobs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    codes[id(proc)] = proc.wait(JOB_CANCEL_WAIT_S)
-        rest = _kill_groups([p for p in procs if id(p) not in jobs])
-        it = iter(rest)
-        return [codes.get(id(p), -signal.SIGKILL) if id(p) in jobs else next(it) for p in procs]
-    for proc in procs:
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + KILL_GRACE_S
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left in the group, leader or not
-    return [proc.wait() for proc in procs]
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
-def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_bytes()[-64 * 1024 :].decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
-    """End the process group a previous (crashed) controller started for ``task_dir``, and any
-    process of it that left the group.
-
-    The group is killed only while its leader's command line still names ``names`` (default
-    the task's ``task.json``), so a recycled process id is never hit. torchrun starts each rank
-    in a session of its own, so a group killed with SIGKILL can leave its ranks behind: every
-    process whose command line names ``names`` is ended too, with its own group. Returns
-    whether anything was killed.
-    """
-    marker = str(names or Path(task_dir) / "task.json").encode() + b"\0"  # a whole argument
-    killed = []
-    try:
-        pgid = int((Path(task_dir) / "pgid").read_text())
-        if marker in Path(f"/proc/{pgid}/cmdline").read_bytes():
-            _signal_group(pgid, signal.SIGKILL)
-            killed.append(pgid)
-    except (OSError, ValueError):
-        pass
-    for pid in _processes_naming(marker):
-        with contextlib.suppress(OSError):
-            _signal_group(os.getpgid(pid), signal.SIGKILL)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-    deadline = time.monotonic() + KILL_GRACE_S
-    while any(_alive(pid) for pid in killed) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return bool(killed)
-
-
-def _processes_naming(marker: bytes) -> list[int]:
-    """Live processes (not this one) whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker in cmdline and _alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"

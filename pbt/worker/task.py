@@ -405,12 +405,10 @@ class _Writer(threading.Thread):
         # the result but the checkpoint's digest: the controller may choose the next generation
         # from it while the write runs (the task ends when result.json arrives)
         write_json_atomic(task_dir / RELEASED, result, durable=False)
-        self.going = False
 
     def go(self) -> None:
         """Start the write (once)."""
-        if not self.going:
-            self.going = True
+        if self.ident is None:
             self.start()
 
     def finish(self) -> None:

@@ -1,0 +1,151 @@
+"""Process groups and jobs on this machine: start them under a memory limit, stop them (with a
+grace period, or by cancelling a job), say how they ended, and end what a crashed controller
+left behind. No torch here."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+KILL_GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
+JOB_CANCEL_WAIT_S = 120.0
+"""Seconds to wait for a cancelled job to end (Slurm's KillWait is 30 s by default)."""
+LOG_TAIL_LINES = 20
+
+
+def memory_limiter(limit: int) -> Callable[[], None]:
+    """What the child runs before exec: cap its data segment (inherited by every process it
+    starts) at ``limit`` bytes, or the hard limit if that is lower."""
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    return apply
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def kill_groups(procs: list[Any]) -> list[int]:
+    """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
+
+    The groups share one grace period, so stopping many tasks takes no longer than one. A job
+    (anything with ``cancel``, e.g. a Slurm job) is cancelled instead, and waited for.
+    """
+    for proc in procs:
+        if hasattr(proc, "cancel") and proc.poll() is None:
+            proc.cancel()
+    jobs = {id(p) for p in procs if hasattr(p, "cancel")}
+    if jobs:
+        codes = {}
+        for proc in procs:
+            if id(proc) in jobs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    codes[id(proc)] = proc.wait(JOB_CANCEL_WAIT_S)
+        rest = kill_groups([p for p in procs if id(p) not in jobs])
+        it = iter(rest)
+        return [codes.get(id(p), -signal.SIGKILL) if id(p) in jobs else next(it) for p in procs]
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever is left in the group, leader or not
+    return [proc.wait() for proc in procs]
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_bytes()[-64 * 1024 :].decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
+    """End the process group a previous (crashed) controller started for ``task_dir``, and any
+    process of it that left the group.
+
+    The group is killed only while its leader's command line still names ``names`` (default
+    the task's ``task.json``), so a recycled process id is never hit. torchrun starts each rank
+    in a session of its own, so a group killed with SIGKILL can leave its ranks behind: every
+    process whose command line names ``names`` is ended too, with its own group. Returns
+    whether anything was killed.
+    """
+    marker = str(names or Path(task_dir) / "task.json").encode() + b"\0"  # a whole argument
+    killed = []
+    try:
+        pgid = int((Path(task_dir) / "pgid").read_text())
+        if marker in Path(f"/proc/{pgid}/cmdline").read_bytes():
+            _signal_group(pgid, signal.SIGKILL)
+            killed.append(pgid)
+    except (OSError, ValueError):
+        pass
+    for pid in _processes_naming(marker):
+        with contextlib.suppress(OSError):
+            _signal_group(os.getpgid(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    deadline = time.monotonic() + KILL_GRACE_S
+    while any(_alive(pid) for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(killed)
+
+
+def _processes_naming(marker: bytes) -> list[int]:
+    """Live processes (not this one) whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline and _alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
