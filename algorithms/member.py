@@ -39,6 +39,7 @@ from pbt.distributed.fsdp import shard_model
 from pbt.distributed.state import (
     HostCopies,
     copies_in_background,
+    fresh_device_copies,
     gather_parameters,
     load_parameters,
     trainable_parameters,
@@ -304,18 +305,21 @@ class Member:
         """Restore adapter, optimizer, scheduler, RNG, step, fitness and lineage from ``path``,
         or from ``held``: the same checkpoint's attributes already in memory (a
         :class:`Snapshot`'s, once written, whose digest the caller has matched), which are not
-        changed (on the CPU, where the optimizer would take them over, they are copied, unless
-        ``owned``: a copy made for this load alone, such as a prefetch's).
+        changed: the tensors the optimizer would take over (on the CPU, or held on the device)
+        are copied first, unless ``owned``: a copy made for this load alone, such as a
+        prefetch's.
 
         Raises:
             CheckpointError: the checkpoint is invalid or belongs to another model or algorithm.
         """
         if held is None:
             attrs = load_checkpoint(path)
-        elif torch.device(self.device).type == "cpu" and not owned:
-            attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
-        else:
+        elif owned:
             attrs = held
+        elif torch.device(self.device).type == "cpu":
+            attrs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, held)
+        else:  # a state held on the device: a copy a packed buffer (host tensors travel below)
+            attrs = fresh_device_copies(held)
         self._check_compatible(attrs, path)
         named = self.learner.named_params
         saved = attrs["trainable"]
@@ -418,10 +422,17 @@ class Snapshot:
     ) -> None:
         self.path, self.attributes, self.config = path, attributes, config
         self.digest: str | None = None
+        self.keep_on_device = False
+        """Whether to keep :attr:`on_device` (the caller holds states on the device)."""
+        self.on_device: dict[str, Any] | None = None
+        """Once written, on a GPU, when asked for: the state again as views of the packed
+        device buffers its host copy came from (for a child in this worker)."""
         self._copies = copies
 
     def __call__(self) -> str:
         if self._copies is not None:  # the bytes from the device, before anything reads them
+            if self.keep_on_device:
+                self.on_device = self._copies.device_views(self.attributes)
             self.attributes = self._copies.settle(self.attributes)
             self._copies = None
         self.digest = save_checkpoint(self.path, self.attributes, self.config)

@@ -23,7 +23,9 @@ result to the moment it has every result; the campaign's very last write, which 
 is shown apart. "Later generations" is the same share without generation 0: what every generation after the
 first costs once a long-lived worker holds the model (a long campaign's steady state).
 ``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
-modes side by side on two GPUs of one host.
+modes side by side on two GPUs of one host. ``--modes device-states`` (on a GPU) is the long-lived
+worker with its latest states also held on the device (``PBT_DEVICE_STATE_CACHE_GIB`` 1): a
+parent then loads in a device copy, with nothing to prefetch from the host.
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_step import SHAPES
 
-MODES = {"long-lived": "long-lived worker", "restart": "restart per task"}
+MODES = {
+    "long-lived": "long-lived worker",
+    "restart": "restart per task",
+    "device-states": "long-lived, states on the device",
+}
+DEFAULT_MODES = ["long-lived", "restart"]
+DEVICE_STATE_GIB = "1"
+"""``PBT_DEVICE_STATE_CACHE_GIB`` in the ``device-states`` mode."""
 
 
 def write_tasks(
@@ -121,7 +130,7 @@ def main() -> None:
     parser.add_argument("--engine", default="hf", choices=["hf", "static"])
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--gpu", type=int, default=0, help="the GPU the slot runs on")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     args = parser.parse_args()
 
     from pbt.controller.launch import LocalLauncher, PersistentLauncher, member_command
@@ -146,10 +155,13 @@ def main() -> None:
         rows = {}
         for mode in (MODES[m] for m in args.modes):
             campaign = root / mode.replace(" ", "-")
-            common = dict(slots=1, gpus_per_member=gpus, heartbeat_timeout_s=600.0, env=env)
+            held = {"PBT_DEVICE_STATE_CACHE_GIB": DEVICE_STATE_GIB} if "device" in mode else {}
+            common = dict(
+                slots=1, gpus_per_member=gpus, heartbeat_timeout_s=600.0, env={**env, **held}
+            )
             if gpus:  # two runs side by side must not share a GPU or a rendezvous port
                 common.update(gpu_ids=[args.gpu], base_port=29600 + 100 * args.gpu)
-            if mode == "long-lived worker":
+            if mode.startswith("long-lived"):
                 launcher = PersistentLauncher(command, campaign / "workers", **common)
             else:
                 launcher = LocalLauncher(command, **common)
@@ -174,12 +186,13 @@ def main() -> None:
                     phases = dict.fromkeys(
                         ("setup", "parent", "load", "save", "outside the task"), 0.0
                     )
-                    written, from_memory, prefetched = 0.0, 0, 0
+                    written, from_memory, on_device, prefetched = 0.0, 0, 0, 0
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
                         digests[outcome.task_id] = outcome.result["digest"]
                         from_memory += outcome.result.get("parent_from") == "memory"
+                        on_device += bool(outcome.result.get("parent_on_device"))
                         prefetched += bool(outcome.result.get("parent_prefetched"))
                         works[-1] += outcome.result["productive_seconds"]
                         fitness.append(outcome.result["fitness"])
@@ -199,10 +212,11 @@ def main() -> None:
                     )
                     print(
                         "  overhead a task: "
-                        + ", ".join(f"{k} {v / args.members:.2f} s" for k, v in phases.items())
+                        + ", ".join(f"{k} {v / args.members:.3f} s" for k, v in phases.items())
                         + f" (checkpoint write {written / args.members:.2f} s, in the background "
                         f"on a long-lived worker; parents loaded from memory: {from_memory}, "
-                        f"of which prefetched to the device: {prefetched}; started behind the "
+                        f"of which held on the device: {on_device}, prefetched to the device: "
+                        f"{prefetched}; started behind the "
                         f"last writes of the generation before: {kept})",
                         flush=True,
                     )
@@ -231,11 +245,13 @@ def main() -> None:
             f"| {mode} | {wall:.1f} | {productive:.1f} | {wall - productive:.1f} | "
             f"**{(wall - productive) / wall:.1%}** | {later} |"
         )
-    if len(rows) == 2:
+    if "restart per task" in rows and "long-lived worker" in rows:
         restart, persistent = rows["restart per task"], rows["long-lived worker"]
         ratio = (restart[0] - restart[1]) / max(persistent[0] - persistent[1], 1e-9)
         print(f"\noverhead, restart / long-lived: {ratio:.1f}x")
-        print(f"same fitness in both modes: {restart[2] == persistent[2]}")
+    if len(rows) > 1:
+        same = len({tuple(fitness) for _, _, fitness, _ in rows.values()}) == 1
+        print(f"same fitness in every mode: {same}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,18 @@ class HostCopies:
         self._copies.append((done, flat, host))  # ``flat`` lives until its copy is done
         return host
 
+    def device_views(self, tree: Any) -> Any:
+        """``tree`` with each view of a pinned buffer replaced by the same view of the packed
+        device buffer it is copied from (another copy of the state, on the device: a child
+        loads it in one copy a buffer, without the host). Call before :meth:`settle`."""
+        flats = {host.untyped_storage().data_ptr(): flat for _, flat, host in self._copies}
+
+        def twin(t: Tensor) -> Tensor:
+            flat = flats.get(t.untyped_storage().data_ptr())
+            return t if flat is None else flat.as_strided(t.size(), t.stride(), t.storage_offset())
+
+        return torch.utils._pytree.tree_map_only(Tensor, twin, tree)
+
     def settle(self, tree: Any) -> Any:
         """Wait for the copies to arrive; ``tree`` with each view of a pinned buffer replaced
         by a pageable copy with its own storage (as a saved file needs); the pinned buffers go
@@ -124,6 +136,40 @@ class HostCopies:
             return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # a clone would stay pinned
 
         return torch.utils._pytree.tree_map_only(Tensor, own, tree)
+
+
+def device_nbytes(tree: Any) -> int:
+    """Bytes of the device storages ``tree``'s tensors view (each storage once)."""
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for t in torch.utils._pytree.tree_leaves(tree)
+        if isinstance(t, Tensor) and t.device.type != "cpu"
+    }
+    return sum(storages.values())
+
+
+def fresh_device_copies(tree: Any) -> Any:
+    """``tree`` with its device tensors copied, one copy per storage they view (a state held
+    on the device as views of packed buffers comes back in a copy a buffer, each view keeping
+    its place); host tensors pass through. The copies may be taken over by an optimizer, and
+    the source is only read."""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    storages: dict[int, Tensor] = {}
+    for t in leaves:
+        if isinstance(t, Tensor) and t.device.type != "cpu":
+            storage = t.untyped_storage()
+            if storage._cdata not in storages:  # one key a storage, however many views
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device)
+                storages[storage._cdata] = whole.set_(storage, 0, (storage.nbytes(),), (1,)).clone()
+
+    def copied(t: Tensor) -> Tensor:
+        if t.device.type == "cpu":
+            return t
+        whole = storages[t.untyped_storage()._cdata]
+        out = torch.empty(0, dtype=t.dtype, device=t.device)
+        return out.set_(whole.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    return torch.utils._pytree.tree_map_only(Tensor, copied, tree)
 
 
 class DeviceCopies:

@@ -180,6 +180,7 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
     _train(member, 2)
     background = member.snapshot(tmp_path / "background")
     assert background._copies is not None  # the copies travel on the side stream
+    background.keep_on_device = True  # as a worker holding states on the device asks
     at_once = member.save(tmp_path / "at-once")  # the same moment, written before training
     moment = _adapter(member)
     _train(member, 2)  # the parameters move while the first snapshot's bytes travel
@@ -218,3 +219,20 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
     assert from_device_rewards == _train(restored, 2)
     for name, value in _adapter(from_device).items():
         assert torch.equal(value, _adapter(restored)[name]), name
+    # and from the copy held on the device (views of the packed buffers the host copy came
+    # from), loaded by two children in turn: each trains on as the file's copy does, and the
+    # held buffers stay as they were
+    on_device = {**background.on_device, "digest": at_once}
+    leaves = [t for t in torch.utils._pytree.tree_leaves(on_device) if torch.is_tensor(t)]
+    assert {t.device.type for t in on_device["trainable"].values()} == {"cuda"}
+    assert len({t.untyped_storage().data_ptr() for t in on_device["trainable"].values()}) == 1
+    kept = [t.clone() for t in leaves]
+    for _ in range(2):
+        child = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+        child.load(tmp_path / "background", on_device)
+        child_rewards = _train(child, 2)
+        restored.load(tmp_path / "background")
+        assert child_rewards == _train(restored, 2)
+        for name, value in _adapter(child).items():
+            assert torch.equal(value, _adapter(restored)[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(kept, leaves, strict=True))

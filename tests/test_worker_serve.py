@@ -140,3 +140,67 @@ def test_the_parent_of_the_task_handed_ahead_is_prefetched_while_one_trains(tmp_
     ahead.number = 0  # an entry whose task has no parent: nothing to copy
     ahead.look(torch.device("cpu"))
     assert ahead._copies is None
+
+
+def test_the_latest_states_are_also_held_on_the_device_within_their_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``StateCache`` keeps a snapshot's device copy (views of its packed buffers) for the most
+    recent states within the device budget, and serves it in place of the host copy; an older
+    state loses its device copy first and is served from the host. A device-held parent is
+    not prefetched: it loads in a device copy a buffer, each view in its place, the held
+    buffers untouched. (The meta device stands in for a GPU: layouts and bytes, no values.)"""
+    import torch
+
+    from pbt.distributed.state import fresh_device_copies
+    from pbt.worker.task import ParentAhead, StateCache
+
+    def state(device: str) -> dict:
+        packed = torch.empty(30, device=device)  # one packed buffer of 120 bytes
+        return {
+            "trainable": {"a": packed[:10].view(2, 5), "b": packed[10:30]},
+            "rng": [{"torch": torch.zeros(4, dtype=torch.uint8)}],
+        }
+
+    cache = StateCache(max_bytes=10_000, max_device_bytes=250)  # two device states
+    for n in range(3):
+        cache.put(f"checkpoints/m{n}", f"d{n}", state("cpu"), 120, on_device=state("meta"))
+    assert cache.get("checkpoints/m0", "d0")["trainable"]["a"].device.type == "cpu"
+    for n in (1, 2):
+        held = cache.get(f"checkpoints/m{n}", f"d{n}")
+        assert held["trainable"]["a"].device.type == "meta" and held["digest"] == f"d{n}"
+    assert cache.get("checkpoints/m2", "another digest") is None
+    cache.get("checkpoints/m1", "d1")  # used again: m2 is now the least recently used
+    cache.put("checkpoints/m3", "d3", state("cpu"), 120, on_device=state("meta"))
+    assert cache.get("checkpoints/m2", "d2")["trainable"]["a"].device.type == "cpu"
+    assert cache.get("checkpoints/m1", "d1")["trainable"]["a"].device.type == "meta"
+    too_big = {"w": torch.empty(100, device="meta")}  # 400 bytes, over the budget alone
+    cache.put("checkpoints/big", "d", state("cpu"), 120, on_device=too_big)
+    assert "w" not in cache.get("checkpoints/big", "d")  # held on the host only
+    assert cache.get("checkpoints/m1", "d1")["trainable"]["a"].device.type == "meta"
+
+    held = cache.get("checkpoints/m1", "d1")
+    copied = fresh_device_copies(held)
+    a, b = copied["trainable"]["a"], copied["trainable"]["b"]
+    assert a.untyped_storage()._cdata == b.untyped_storage()._cdata  # one copy of the buffer
+    assert a.untyped_storage()._cdata != held["trainable"]["a"].untyped_storage()._cdata
+    assert (a.shape, a.storage_offset(), b.storage_offset()) == ((2, 5), 0, 10)
+    assert copied["rng"][0]["torch"] is held["rng"][0]["torch"]  # host tensors pass through
+
+    folder = tmp_path / "slot0"
+    (folder / "inbox").mkdir(parents=True)
+    tasks = _tasks(tmp_path, [("g001-m00", "m1")])
+    task = tasks[0].task_dir / "task.json"
+    write_json_atomic(
+        task,
+        {
+            **json.loads(task.read_text()),
+            "parent_checkpoint": "checkpoints/m1",
+            "parent_digest": "d1",
+        },
+    )
+    write_json_atomic(folder / "inbox" / "000000.json", {"task": str(task)})
+    monkeypatch.setattr("pbt.worker.task.STATES", cache)
+    ahead = ParentAhead(folder)
+    ahead.look(torch.device("cpu"))
+    assert ahead._copies is None and ahead._looked == 0  # nothing to bring over

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -170,6 +171,7 @@ def start_task(
         "device": str(torch.device(member.device)),
         "parent_from": None if not parent else "memory" if held is not None else "disk",
         "parent_prefetched": prefetched,
+        "parent_on_device": held is not None and not prefetched and _on_a_device(held),
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated() / 2**30
             if torch.device(member.device).type == "cuda"
@@ -178,42 +180,84 @@ def start_task(
     }
     if write is not None and world.world_size == 1:
         write.cache_as = task["checkpoint"]  # kept once written: a child here needs no disk read
+        write.keep_on_device = STATES.max_device_bytes > 0
     return result, host, write
 
 
 class StateCache:
     """Members' states this worker snapshotted, in host memory by checkpoint path and digest,
     the oldest dropped past ``max_bytes``: a child of a member trained here loads its parent
-    from memory, not from disk (whose copy is still written, for resume and other workers)."""
+    from memory, not from disk (whose copy is still written, for resume and other workers).
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._held: collections.OrderedDict[str, tuple[str, dict[str, Any], int]] = (
-            collections.OrderedDict()
-        )
+    On a GPU the most recent states are also kept on the device, up to ``max_device_bytes``
+    (the packed buffers their host copies came from; older ones lose their device copy first):
+    a child loads such a parent in one device copy a buffer, with nothing to prefetch."""
+
+    def __init__(self, max_bytes: int, max_device_bytes: int = 0) -> None:
+        self.max_bytes, self.max_device_bytes = max_bytes, max_device_bytes
+        self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, path: str, digest: str, attributes: dict[str, Any], nbytes: int) -> None:
+    def put(
+        self,
+        path: str,
+        digest: str,
+        attributes: dict[str, Any],
+        nbytes: int,
+        on_device: dict[str, Any] | None = None,
+    ) -> None:
+        from pbt.distributed.state import device_nbytes
+
+        device_bytes = device_nbytes(on_device) if on_device is not None else 0
+        if on_device is None or device_bytes > self.max_device_bytes:
+            on_device, device_bytes = None, 0
         with self._lock:
             self._held.pop(path, None)
             if nbytes > self.max_bytes:
                 return
-            self._held[path] = (digest, {**attributes, "digest": digest}, nbytes)
-            while sum(n for _, _, n in self._held.values()) > self.max_bytes:
+            self._held[path] = _Held(
+                digest,
+                {**attributes, "digest": digest},
+                nbytes,
+                None if on_device is None else {**on_device, "digest": digest},
+                device_bytes,
+            )
+            while sum(h.nbytes for h in self._held.values()) > self.max_bytes:
                 self._held.popitem(last=False)
+            over = sum(h.device_bytes for h in self._held.values()) - self.max_device_bytes
+            for held in self._held.values():  # the least recently used first
+                if over <= 0:
+                    break
+                if held.on_device is not None:
+                    over -= held.device_bytes
+                    held.on_device, held.device_bytes = None, 0
 
     def get(self, path: str, digest: str | None) -> dict[str, Any] | None:
-        """The attributes of checkpoint ``path`` when held with exactly ``digest``."""
+        """The attributes of checkpoint ``path`` when held with exactly ``digest``: the copy
+        on the device when there is one."""
         with self._lock:
             found = self._held.get(path)
-            if digest is None or found is None or found[0] != digest:
+            if digest is None or found is None or found.digest != digest:
                 return None
             self._held.move_to_end(path)
-            return found[1]
+            return found.attributes if found.on_device is None else found.on_device
 
 
-STATES = StateCache(int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**30))
-"""The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8)."""
+@dataclasses.dataclass
+class _Held:
+    digest: str
+    attributes: dict[str, Any]
+    nbytes: int
+    on_device: dict[str, Any] | None
+    device_bytes: int
+
+
+STATES = StateCache(
+    int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**30),
+    int(float(os.environ.get("PBT_DEVICE_STATE_CACHE_GIB", "0")) * 2**30),
+)
+"""The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8; of
+that, ``PBT_DEVICE_STATE_CACHE_GIB`` also on the GPU, default 0: not yet measured on one)."""
 
 
 class ParentAhead:
@@ -245,6 +289,9 @@ class ParentAhead:
         held = STATES.get(*key)
         if held is None:  # not held here, or its write is still in flight
             return
+        if _on_a_device(held):  # loads in a device copy: nothing to bring over
+            self._looked = self.number
+            return
         from pbt.distributed.state import DeviceCopies
 
         self._key, self._copies = key, DeviceCopies(held, device)
@@ -256,6 +303,13 @@ class ParentAhead:
         if copies is None or key != (path, digest):
             return None
         return copies.wait()
+
+
+def _on_a_device(tree: Any) -> bool:
+    import torch
+
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in leaves)
 
 
 def _train(
@@ -422,7 +476,15 @@ class _Writer(threading.Thread):
                 result = finish_task(self.result, self.write)
                 path = getattr(self.write, "cache_as", None)
                 if path is not None and result.get("digest"):
-                    STATES.put(path, result["digest"], self.write.attributes, self.write.nbytes())
+                    STATES.put(
+                        path,
+                        result["digest"],
+                        self.write.attributes,
+                        self.write.nbytes(),
+                        on_device=getattr(self.write, "on_device", None),
+                    )
+                if self.write is not None:
+                    self.write.on_device = None  # kept by the cache alone, if at all
                 write_json_atomic(self.task_dir / "result.json", result)
         except BaseException as err:
             kind = faults.report(self.task_dir, err, exit_code=2)
