@@ -438,6 +438,15 @@ class Snapshot:
         self.digest = save_checkpoint(self.path, self.attributes, self.config)
         return self.digest
 
+    def state(self) -> dict[str, Any]:
+        """The state as it is held now, its bytes arrived from the device, whether or not it
+        has been written yet: for a child loaded in this process without waiting for the
+        file. To be read only (the write may be reading it meanwhile)."""
+        copies = self._copies
+        if copies is not None:
+            copies.wait()
+        return self.attributes
+
     def nbytes(self) -> int:
         """Bytes of tensor data held."""
         leaves = torch.utils._pytree.tree_leaves(self.attributes)

@@ -107,6 +107,11 @@ class HostCopies:
         self._copies.append((done, flat, host))  # ``flat`` lives until its copy is done
         return host
 
+    def wait(self) -> None:
+        """Wait for the copies to arrive (the host tensors may then be read, not changed)."""
+        for done, _, _ in list(self._copies):
+            done.synchronize()
+
     def device_views(self, tree: Any) -> Any:
         """``tree`` with each view of a pinned buffer replaced by the same view of the packed
         device buffer it is copied from (another copy of the state, on the device: a child

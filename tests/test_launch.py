@@ -441,7 +441,8 @@ SERVING_MEMBER = textwrap.dedent(
             sys.exit(0)
         served += 1
         task_path = Path(entry["task"])
-        behaviour = read_json(task_path)["behaviour"]
+        task = read_json(task_path)
+        behaviour = task["behaviour"]
         if behaviour == "hang":
             time.sleep(600)
         began = time.time()
@@ -452,20 +453,20 @@ SERVING_MEMBER = textwrap.dedent(
             time.sleep(7.0 if behaviour == "slow" else 0.05)
             after = folder / "inbox" / f"{served:06d}.json"
             result = {"status": "ok", "pid": os.getpid(), "served": served, "began": began,
-                      "next_handed_over": after.exists()}
+                      "next_handed_over": after.exists(), "checkpoint": task.get("checkpoint")}
             if behaviour == "release":  # the result now, the "checkpoint" in the background
                 write_json_atomic(task_path.parent / "released", result)
-                done = task_path.parent / "result.json"
-                Thread(target=lambda r=result, d=done: (time.sleep(1.0), write_json_atomic(
-                    d, {**r, "digest": "d"}))).start()
+                done, digest = task_path.parent / "result.json", task.get("digest", "d")
+                Thread(target=lambda r=result, d=done, g=digest: (time.sleep(1.0),
+                       write_json_atomic(d, {**r, "digest": g}))).start()
                 continue
             write_json_atomic(task_path.parent / "result.json", result)
     """
 )
 
 
-def serving_launcher(tmp_path: Path):
-    """One slot of long-lived workers running SERVING_MEMBER."""
+def serving_launcher(tmp_path: Path, slots: int = 1):
+    """``slots`` slots (default one) of long-lived workers running SERVING_MEMBER."""
     from pbt.controller.launch import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
@@ -473,7 +474,7 @@ def serving_launcher(tmp_path: Path):
     return PersistentLauncher(
         [sys.executable, str(script), "--nproc={nproc}", "--port={port}"],
         tmp_path / "workers",
-        slots=1,
+        slots=slots,
         heartbeat_timeout_s=6.0,  # a worker's first heartbeat follows its imports
         poll_s=0.05,
     )
@@ -564,3 +565,46 @@ def test_the_next_calls_tasks_start_while_the_last_results_are_written(tmp_path,
         assert kept == ["b0"] and later[0].result["pid"] == pid
         assert later[0].result["began"] < returned  # behind the writes, before run() returned
         assert [o.result["served"] for o in later] == [3, 4]  # each started once
+
+
+@pytest.mark.parametrize("digest", ["as written", "another"])
+def test_a_child_of_a_parent_being_written_starts_on_the_worker_writing_it(tmp_path, digest):
+    """A next-call task whose parent checkpoint is still being written (``parent_digest``
+    null) is handed only to the worker writing that parent, which holds its state; one whose
+    parent no worker is writing is not handed. The next call keeps it when its ``task.json``
+    is the handed one with the digest that write gave, and runs it afresh otherwise."""
+    workers = serving_launcher(tmp_path, slots=2)
+    first = []
+    for name in ("a0", "a1"):
+        first.append(make_task(tmp_path, name, "release"))
+        task = {"behaviour": "release", "checkpoint": f"checkpoints/{name}", "digest": f"d{name}"}
+        write_json_atomic(first[-1].task_dir / "task.json", task)
+    second = {}
+    for name, parent in (("b0", "a1"), ("b1", "a0"), ("b2", "zz")):
+        second[name] = make_task(tmp_path, name, "ok")
+        task = {"behaviour": "ok", "parent_checkpoint": f"checkpoints/{parent}"}
+        write_json_atomic(second[name].task_dir / "task.json", {**task, "parent_digest": None})
+    try:
+        outcomes = workers.run(first, on_released=lambda _: list(second.values()))
+        returned = time.time()
+        handed = workers.handed_ahead()
+        for name, parent in (("b0", "a1"), ("b1", "a0")):  # as the committed generation names them
+            written = f"d{parent}" if digest == "as written" or name == "b1" else digest
+            task = {"behaviour": "ok", "parent_checkpoint": f"checkpoints/{parent}"}
+            write_json_atomic(
+                second[name].task_dir / "task.json", {**task, "parent_digest": written}
+            )
+        later = workers.run(list(second.values()))
+        kept = workers.kept_ahead
+    finally:
+        workers.close()
+    assert [o.status for o in outcomes + later] == ["ok"] * 5
+    assert handed == {"b0", "b1"}  # b2's parent is written by no worker
+    pid = {o.task_id: o.result["pid"] for o in outcomes + later}
+    assert pid["b1"] == pid["a0"] and later[1].result["began"] < returned
+    if digest == "as written":
+        assert sorted(kept) == ["b0", "b1"]
+        assert pid["b0"] == pid["a1"] and later[0].result["began"] < returned
+    else:  # b0's parent is not the state its worker wrote: a fresh start on a fresh worker
+        assert kept == ["b1"]
+        assert later[0].result["began"] > returned and later[0].result["served"] == 1

@@ -407,8 +407,10 @@ class Campaign:
         on disk, with selection run again from the committed records and the same RNG state;
         the launcher keeps a task started here only if the committed one is the same task, so
         a guess that does not hold (a write that failed, a budget reached meanwhile) costs the
-        work started on it, never a decision. Only members whose parent checkpoint is already
-        on disk are started. Optuna's trials are not guessed: asking the study records them.
+        work started on it, never a decision. A member whose parent checkpoint is still being
+        written is handed with a null ``parent_digest``, to the worker writing it alone (see
+        :meth:`LocalLauncher._hand_next`), which loads that state from memory. Optuna's trials
+        are not guessed: asking the study records them.
         ``spent``: the campaign's elapsed and GPU seconds before ``generation``, and when
         ``generation`` started (``time.monotonic()``).
         """
@@ -427,13 +429,15 @@ class Campaign:
         guessed.setstate(rng.getstate())
         successors, _ = self._next_generation(generation, finished, guessed, members)
         written = {r["checkpoint"]: r["digest"] for r in results.values() if r.get("digest")}
+        in_flight = {r["checkpoint"] for r in results.values() if not r.get("digest")}
         tasks = []
         for m in successors:
             parent = m.parent_checkpoint
             digest = written.get(parent) if parent else None
             if parent and digest is None:
                 digest = self.store.checkpoint_digest(parent)
-            if digest is not None:
+            if digest is not None or (parent in in_flight and self.manifest.launch.ranks == 1):
+                # a null parent_digest: the worker writing the parent loads it from memory
                 tasks.append(self._task(replace(m, attempts=m.attempts + 1), digest))
         return tasks
 

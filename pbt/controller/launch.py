@@ -138,6 +138,10 @@ class _Running:
     handed: dict[str, Any] | None = None
     """For a task of the next call handed to a worker early (see :meth:`LocalLauncher.run`'s
     ``on_released``): its ``task.json`` as handed, which the next call must match to keep it."""
+    parent_written_by: Path | None = None
+    """For such a task whose parent checkpoint was still being written (``parent_digest``
+    null): the folder of the task writing it, on the same worker, whose ``result.json`` gives
+    the digest the next call's ``task.json`` must name."""
 
 
 class LocalLauncher:
@@ -287,7 +291,7 @@ class LocalLauncher:
                 if on_released is not None and not queue and self._all_released(running, outcomes):
                     results = self._results(running, outcomes)
                     if results is not None:
-                        self._hand_next(on_released(results), holding, running)
+                        self._hand_next(on_released(results), holding, running, results)
                         on_released = None
                         if self._next:
                             crash_point("ahead")
@@ -333,23 +337,44 @@ class LocalLauncher:
         return results
 
     def _hand_next(
-        self, tasks: list[TaskSpec], holding: list[list[_Running]], running: list[_Running]
+        self,
+        tasks: list[TaskSpec],
+        holding: list[list[_Running]],
+        running: list[_Running],
+        results: dict[str, dict[str, Any]],
     ) -> None:
-        """Start ``tasks`` (the next call's) on the idle slots' workers, one a slot, in order."""
+        """Start ``tasks`` (the next call's) on the idle slots' workers, one a slot, in order.
+        A task whose parent checkpoint is still being written (its ``parent_digest`` null)
+        goes only to the worker writing it, which holds that state in memory (one rank)."""
         idle = [slot for slot, held in enumerate(holding) if not held]
+        writing = {results[r.task.task_id].get("checkpoint"): r for r in running if not r.ended}
         for task in tasks:
-            slot = next((s for s in idle if self._queues(s, task)), None)
+            handed = read_json(Path(task.task_dir) / "task.json")
+            if not isinstance(handed, dict):
+                continue
+            writer = None
+            if handed.get("parent_checkpoint") and handed.get("parent_digest") is None:
+                writer = writing.get(handed["parent_checkpoint"])
+                if writer is None or task.nproc != 1:
+                    continue
+                candidates = [writer.slot]
+            else:
+                candidates = idle
+            slot = next((s for s in candidates if s in idle and self._queues(s, task)), None)
             if slot is None:
                 continue
             idle.remove(slot)
             item = self._start(-1, task, slot, {r.port for r in running})
             item.behind = next((r for r in running if r.slot == slot), None)
-            item.handed = read_json(Path(task.task_dir) / "task.json")
+            item.handed = handed
+            item.parent_written_by = None if writer is None else Path(writer.task.task_dir)
             self._next[task.task_id] = item
 
     def _adopt(self, tasks: list[TaskSpec]) -> list[_Running]:
-        """The tasks of this call that the last one handed ahead unchanged (their index set);
-        the worker of every other task handed ahead is ended."""
+        """The tasks of this call that the last one handed ahead unchanged, on a worker still
+        alive (their index set); the worker of every other task handed ahead is ended. (A
+        worker whose background write failed ended with it, and a retry may have written the
+        same checkpoint since.)"""
         handed, self._next = self._next, {}
         kept = []
         for index, task in enumerate(tasks):
@@ -357,7 +382,8 @@ class LocalLauncher:
             if (
                 item is not None
                 and item.task == task
-                and read_json(Path(task.task_dir) / "task.json") == item.handed
+                and item.proc.poll() is None
+                and self._unchanged(item)
             ):
                 del handed[task.task_id]
                 item.index = index
@@ -365,6 +391,25 @@ class LocalLauncher:
         for item in handed.values():
             self._discard(item)
         return kept
+
+    @staticmethod
+    def _unchanged(item: _Running) -> bool:
+        """Whether ``item``'s ``task.json`` is still the one it was handed: the same, or, when
+        it was handed while its parent was being written, the same but for the digest that
+        write gave (the state the worker loaded is the one it wrote)."""
+        now = read_json(Path(item.task.task_dir) / "task.json")
+        if now == item.handed:
+            return True
+        if item.parent_written_by is None or not isinstance(now, dict):
+            return False
+        written = read_json(item.parent_written_by / "result.json")
+        return (
+            isinstance(written, dict)
+            and written.get("digest") is not None
+            and written.get("checkpoint") == now.get("parent_checkpoint")
+            and now.get("parent_digest") == written["digest"]
+            and {**now, "parent_digest": None} == item.handed
+        )
 
     def _discard(self, item: _Running) -> None:
         """End a task handed ahead that is not to run."""

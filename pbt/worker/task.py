@@ -83,14 +83,17 @@ def start_task(
     heartbeat: Heartbeat | None = None,
     ahead: ParentAhead | None = None,
     loaded: Callable[[], object] | None = None,
+    writing: Any = None,
 ) -> tuple[dict[str, Any], Any, Any]:
     """Train and evaluate the member described by ``task`` and snapshot its state to host
     memory (every rank calls this; rank 0 reports its progress to ``heartbeat``). Returns the
     result without its checkpoint's digest, the host, and on rank 0 the call that writes the
     checkpoint (:func:`finish_task`), which needs neither the device nor the other ranks; None
     on the others. A long-lived worker passes its ``ahead``: the parent it prefetched for this
-    task, if any, and where to prefetch the next task's parent while this one trains, and
-    ``loaded``, called once the member is set up and its parent loaded."""
+    task, if any, and where to prefetch the next task's parent while this one trains,
+    ``loaded``, called once the member is set up and its parent loaded, and ``writing``: the
+    snapshot of its previous task, whose write may still be in flight. A task handed while its
+    parent was being written (``parent_digest`` null) loads that snapshot's state."""
     import torch
 
     from pbt.algorithms.member import Host, Member, seed_everything
@@ -114,12 +117,16 @@ def start_task(
         host = Host(manifest, device)
     member = Member(manifest, device, task["member_id"], host=host)
     marks.append(("setup", time.perf_counter()))
-    held, prefetched = None, False
+    held, prefetched, in_flight = None, False, False
     if parent and world.world_size == 1:
         key = (task["parent_checkpoint"], task.get("parent_digest"))
-        held = ahead.take(*key) if ahead is not None else None
-        prefetched = held is not None
-        held = held if prefetched else STATES.get(*key)
+        in_flight = key[1] is None and getattr(writing, "cache_as", None) == key[0]
+        if in_flight:
+            held = writing.state()  # the parent's write is this worker's, maybe in flight
+        else:
+            held = ahead.take(*key) if ahead is not None else None
+            prefetched = held is not None
+            held = held if prefetched else STATES.get(*key)
     marks.append(("parent", time.perf_counter()))  # found in memory, or a prefetch waited for
     if parent:
         member.load(parent, held, owned=prefetched)
@@ -171,6 +178,7 @@ def start_task(
         "device": str(torch.device(member.device)),
         "parent_from": None if not parent else "memory" if held is not None else "disk",
         "parent_prefetched": prefetched,
+        "parent_in_flight": in_flight,
         "parent_on_device": held is not None and not prefetched and _on_a_device(held),
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated() / 2**30
@@ -423,7 +431,14 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                         ahead.number = taken  # the entry after this one
                     try:
                         go = writing.go if writing is not None else None
-                        result, host, write = start_task(task, host, beat, ahead, go)
+                        result, host, write = start_task(
+                            task,
+                            host,
+                            beat,
+                            ahead,
+                            go,
+                            writing=writing.write if writing is not None else None,
+                        )
                     except BaseException as err:
                         if not _failed(task_path.parent, err):
                             raise
