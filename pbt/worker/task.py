@@ -314,10 +314,9 @@ class ParentAhead:
 
 
 def _on_a_device(tree: Any) -> bool:
-    import torch
+    from pbt.distributed.state import device_nbytes
 
-    leaves = torch.utils._pytree.tree_leaves(tree)
-    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in leaves)
+    return device_nbytes(tree) > 0
 
 
 def _train(
