@@ -22,10 +22,14 @@ while the generation's last checkpoint is still being written, as a campaign doe
 result to the moment it has every result; the campaign's very last write, which nothing follows,
 is shown apart. "Later generations" is the same share without generation 0: what every generation after the
 first costs once a long-lived worker holds the model (a long campaign's steady state).
+Member ``i``'s lr is ``--lr`` times ``0.8 + 0.1 i`` (default ``1e-5``, ``optim.lr``'s default): a
+member whose policy collapses ends its task early (``algorithm.collapse_patience``), and the
+generation would no longer measure ``--steps`` steps a task, so the bench stops on a collapsed
+member, naming it and the step it ended at.
 ``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
 modes side by side on two GPUs of one host. ``--modes device-states`` (on a GPU) is the long-lived
 worker with its latest states also held on the device (``PBT_DEVICE_STATE_CACHE_GIB`` 1): a
-parent then loads in a device copy, with nothing to prefetch from the host.
+parent is then prefetched in a device copy, not a copy from the host.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def write_tasks(
     members: int,
     steps: int,
     digests: dict[str, str],
+    lr: float = 1e-5,
 ) -> list:
     """One generation's task files: member ``i`` of a later generation loads member ``i + 1``'s
     checkpoint of the one before (as selection would pick), its lr set apart from the others'.
@@ -84,7 +89,7 @@ def write_tasks(
                 "parent_id": parent,
                 "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
                 "parent_digest": digests.get(parent),
-                "hyperparameters": {"lr": 5e-3 * (0.8 + 0.1 * i)},
+                "hyperparameters": {"lr": lr * (0.8 + 0.1 * i)},
                 "mutation": "lr" if parent else None,
                 "steps": steps,
                 "checkpoint": f"checkpoints/{member}",
@@ -111,7 +116,9 @@ def next_first(
     if generation + 1 == args.generations:
         return []
     written = digests | {k: r["digest"] for k, r in results.items() if r.get("digest")}
-    tasks = write_tasks(root, campaign, manifest, generation + 1, args.members, args.steps, written)
+    tasks = write_tasks(
+        root, campaign, manifest, generation + 1, args.members, args.steps, written, args.lr
+    )
     return [task for task in tasks if task_parent(task) in written]
 
 
@@ -129,6 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--engine", default="hf", choices=["hf", "static"])
     parser.add_argument("--generations", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5, help="member i's lr: LR x (0.8 + 0.1 i)")
     parser.add_argument("--gpu", type=int, default=0, help="the GPU the slot runs on")
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     args = parser.parse_args()
@@ -171,7 +179,14 @@ def main() -> None:
             try:
                 for generation in range(args.generations):
                     tasks = write_tasks(
-                        root, campaign, manifest, generation, args.members, args.steps, digests
+                        root,
+                        campaign,
+                        manifest,
+                        generation,
+                        args.members,
+                        args.steps,
+                        digests,
+                        args.lr,
                     )
                     count = len(known)
                     ahead = functools.partial(
@@ -190,6 +205,13 @@ def main() -> None:
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
+                        trained = outcome.result["steps"] - generation * args.steps
+                        if trained != args.steps:
+                            raise SystemExit(
+                                f"{mode}: member {outcome.task_id} trained {trained} of "
+                                f"{args.steps} steps ({(outcome.result['fault'] or {}).get('detail')})"
+                                f"; the overhead share needs full tasks: lower --lr (now {args.lr})"
+                            )
                         digests[outcome.task_id] = outcome.result["digest"]
                         from_memory += outcome.result.get("parent_from") == "memory"
                         on_device += bool(outcome.result.get("parent_on_device"))

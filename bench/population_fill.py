@@ -116,9 +116,11 @@ def main() -> None:
             digests: dict[str, str] = {}
             try:
                 for generation in range(args.generations):
+                    recorded_lr = 5e-3  # the lr its recorded figures were measured at
                     tasks = write_tasks(
-                        root, campaign, manifest, generation, args.members, args.steps, digests
-                    )
+                        root, campaign, manifest, generation, args.members, args.steps, digests,
+                        recorded_lr,
+                    )  # fmt: skip
                     last = generation == args.generations - 1
                     sampler = _GpuSampler(args.gpu) if last and gpus else None
                     start = time.perf_counter()

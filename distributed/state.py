@@ -153,11 +153,11 @@ def device_nbytes(tree: Any) -> int:
     return sum(storages.values())
 
 
-def fresh_device_copies(tree: Any) -> Any:
+def fresh_device_copies(tree: Any, made: list[Tensor] | None = None) -> Any:
     """``tree`` with its device tensors copied, one copy per storage they view (a state held
     on the device as views of packed buffers comes back in a copy a buffer, each view keeping
     its place); host tensors pass through. The copies may be taken over by an optimizer, and
-    the source is only read."""
+    the source is only read. ``made``, if given, receives each storage's copy."""
     leaves = torch.utils._pytree.tree_leaves(tree)
     storages: dict[int, Tensor] = {}
     for t in leaves:
@@ -166,6 +166,8 @@ def fresh_device_copies(tree: Any) -> Any:
             if storage._cdata not in storages:  # one key a storage, however many views
                 whole = torch.empty(0, dtype=torch.uint8, device=t.device)
                 storages[storage._cdata] = whole.set_(storage, 0, (storage.nbytes(),), (1,)).clone()
+    if made is not None:
+        made.extend(storages.values())
 
     def copied(t: Tensor) -> Tensor:
         if t.device.type == "cpu":
@@ -181,12 +183,18 @@ class DeviceCopies:
     """A state's tensors copied to ``device`` by a background thread while the device works on
     something else: on CUDA on a side stream (floating tensors of one dimension or more: an
     adapter's weights and the optimizer's moments; the RNG states and step counts stay on the
-    host, where they are restored from); on the CPU as clones of every tensor. :meth:`wait`
-    returns the copied tree, ready for the current stream. The source is only read."""
+    host, where they are restored from; a state held on the device already comes in a device
+    copy a buffer, :func:`fresh_device_copies`); on the CPU as clones of every tensor.
+    :meth:`wait` returns the copied tree, ready for the current stream. The source is only
+    read, and kept alive until then."""
 
     def __init__(self, tree: Any, device: torch.device) -> None:
         self.device = torch.device(device)
+        self.held_on_device = False
+        """Whether the source was (partly) on the device: a state held there."""
+        self._source: Any = tree
         self._tree: Any = tree
+        self._made: list[Tensor] = []
         self._error: BaseException | None = None
         self._done: torch.cuda.Event | None = None
         self._thread = threading.Thread(target=self._copy, name="pbt-prefetch", daemon=True)
@@ -199,16 +207,20 @@ class DeviceCopies:
                 return
             stream = _side_stream(self.device, "prefetch")
             with torch.cuda.stream(stream):
-                self._tree = torch.utils._pytree.tree_map_only(Tensor, self._move, self._tree)
+                tree = fresh_device_copies(self._tree, self._made)
+                self.held_on_device = bool(self._made)
+                self._tree = torch.utils._pytree.tree_map_only(Tensor, self._move, tree)
                 self._done = torch.cuda.Event()
                 self._done.record(stream)
         except BaseException as err:  # raised again by wait(), in the caller's thread
             self._error = err
 
     def _move(self, t: Tensor) -> Tensor:
-        if t.dim() == 0 or not t.is_floating_point():
+        if t.device.type != "cpu" or t.dim() == 0 or not t.is_floating_point():
             return t
-        return t.to(self.device, non_blocking=True)
+        moved = t.to(self.device, non_blocking=True)
+        self._made.append(moved)
+        return moved
 
     def wait(self) -> Any:
         self._thread.join()
@@ -217,10 +229,10 @@ class DeviceCopies:
         if self._done is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self._done)
-            for t in torch.utils._pytree.tree_leaves(self._tree):
-                if isinstance(t, Tensor) and t.device.type == "cuda":
-                    t.record_stream(current)  # not reused by the side stream while in use here
+            for t in self._made:  # not reused by the side stream while in use here
+                t.record_stream(current)
             self._done = None
+        self._source = None
         return self._tree
 
 

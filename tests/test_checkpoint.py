@@ -235,4 +235,13 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
         assert child_rewards == _train(restored, 2)
         for name, value in _adapter(child).items():
             assert torch.equal(value, _adapter(restored)[name]), name
+    # and a prefetch of it (a device copy a buffer on a side stream), taken over by a child
+    copies = DeviceCopies(on_device, cuda)
+    ahead_of_time = copies.wait()
+    assert copies.held_on_device
+    child = Member(small_manifest(tmp_path, training={"device": "cuda"}), cuda)
+    child.load(tmp_path / "background", ahead_of_time, owned=True)
+    child_rewards = _train(child, 2)
+    restored.load(tmp_path / "background")
+    assert child_rewards == _train(restored, 2)
     assert all(torch.equal(a, b) for a, b in zip(kept, leaves, strict=True))

@@ -148,8 +148,8 @@ def test_the_latest_states_are_also_held_on_the_device_within_their_budget(
     """``StateCache`` keeps a snapshot's device copy (views of its packed buffers) for the most
     recent states within the device budget, and serves it in place of the host copy; an older
     state loses its device copy first and is served from the host. A device-held parent is
-    not prefetched: it loads in a device copy a buffer, each view in its place, the held
-    buffers untouched. (The meta device stands in for a GPU: layouts and bytes, no values.)"""
+    copied in a device copy a buffer, each view in its place, the held buffers untouched,
+    and prefetched like any other. (The meta device stands in for a GPU: layouts and bytes, no values.)"""
     import torch
 
     from pbt.distributed.state import fresh_device_copies
@@ -202,5 +202,7 @@ def test_the_latest_states_are_also_held_on_the_device_within_their_budget(
     write_json_atomic(folder / "inbox" / "000000.json", {"task": str(task)})
     monkeypatch.setattr("pbt.worker.task.STATES", cache)
     ahead = ParentAhead(folder)
-    ahead.look(torch.device("cpu"))
-    assert ahead._copies is None and ahead._looked == 0  # nothing to bring over
+    ahead.look(torch.device("cpu"))  # a device-held parent is copied ahead as well
+    taken = ahead.take("checkpoints/m1", "d1")
+    assert taken["trainable"]["a"].shape == (2, 5)
+    assert taken["trainable"]["a"] is not held["trainable"]["a"]

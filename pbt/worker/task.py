@@ -179,7 +179,8 @@ def start_task(
         "parent_from": None if not parent else "memory" if held is not None else "disk",
         "parent_prefetched": prefetched,
         "parent_in_flight": in_flight,
-        "parent_on_device": held is not None and not prefetched and _on_a_device(held),
+        "parent_on_device": held is not None
+        and (ahead.held_on_device if prefetched else _on_a_device(held)),
         "peak_memory_gib": (
             torch.cuda.max_memory_allocated() / 2**30
             if torch.device(member.device).type == "cuda"
@@ -199,7 +200,7 @@ class StateCache:
 
     On a GPU the most recent states are also kept on the device, up to ``max_device_bytes``
     (the packed buffers their host copies came from; older ones lose their device copy first):
-    a child loads such a parent in one device copy a buffer, with nothing to prefetch."""
+    such a parent comes to a child in one device copy a buffer, not a copy from the host."""
 
     def __init__(self, max_bytes: int, max_device_bytes: int = 0) -> None:
         self.max_bytes, self.max_device_bytes = max_bytes, max_device_bytes
@@ -265,15 +266,16 @@ STATES = StateCache(
     int(float(os.environ.get("PBT_DEVICE_STATE_CACHE_GIB", "0")) * 2**30),
 )
 """The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8; of
-that, ``PBT_DEVICE_STATE_CACHE_GIB`` also on the GPU, default 0: not yet measured on one)."""
+that, ``PBT_DEVICE_STATE_CACHE_GIB`` also on the GPU, default 0: on an H200 it saved a few
+milliseconds a task, not worth the GPU memory by default)."""
 
 
 class ParentAhead:
     """A long-lived worker's prefetch: while it trains one task, the parent state of the task
     handed ahead to it (inbox entry :attr:`number`), when this worker holds that state in
     memory (:data:`STATES`), is copied to the device in the background
-    (:class:`~pbt.distributed.state.DeviceCopies`), so that the next task loads its parent
-    without a copy from the host. Looked for after each training step until found (the entry
+    (:class:`~pbt.distributed.state.DeviceCopies`; a state held on the device as well, in a
+    device copy a buffer), so that the next task loads its parent without a copy. Looked for after each training step until found (the entry
     may be handed over, or the parent's write finish, while the task trains)."""
 
     def __init__(self, folder: Path) -> None:
@@ -282,6 +284,7 @@ class ParentAhead:
         self._key: tuple[str, str | None] | None = None
         self._copies = None
         self._looked: int | None = None  # the entry found to have no parent held here
+        self.held_on_device = False
 
     def look(self, device) -> None:
         if self._copies is not None or self._looked == self.number:
@@ -297,20 +300,21 @@ class ParentAhead:
         held = STATES.get(*key)
         if held is None:  # not held here, or its write is still in flight
             return
-        if _on_a_device(held):  # loads in a device copy: nothing to bring over
-            self._looked = self.number
-            return
         from pbt.distributed.state import DeviceCopies
 
         self._key, self._copies = key, DeviceCopies(held, device)
 
     def take(self, path: str, digest: str | None) -> dict[str, Any] | None:
-        """The prefetched state of checkpoint ``path`` with ``digest``, or None."""
+        """The prefetched state of checkpoint ``path`` with ``digest``, or None
+        (:attr:`held_on_device` says whether it was copied from a state held on the device)."""
         copies, key = self._copies, self._key
         self._copies = self._key = None
+        self.held_on_device = False
         if copies is None or key != (path, digest):
             return None
-        return copies.wait()
+        tree = copies.wait()
+        self.held_on_device = copies.held_on_device
+        return tree
 
 
 def _on_a_device(tree: Any) -> bool:
