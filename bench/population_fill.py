@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evolution_overhead import write_tasks
 from train_step import SHAPES
 
+LR = 5e-3
+"""Member ``i``'s lr is ``LR x (0.8 + 0.1 i)``: the lr the recorded figures were measured at
+(tokens are counted, so a member whose task ends early does not skew them)."""
+
 
 class _GpuSampler:
     """``nvidia-smi`` every 200 ms on one GPU: busy share and memory in use."""
@@ -116,10 +120,8 @@ def main() -> None:
             digests: dict[str, str] = {}
             try:
                 for generation in range(args.generations):
-                    recorded_lr = 5e-3  # the lr its recorded figures were measured at
                     tasks = write_tasks(
-                        root, campaign, manifest, generation, args.members, args.steps, digests,
-                        recorded_lr,
+                        root, campaign, manifest, generation, args.members, args.steps, digests, LR
                     )  # fmt: skip
                     last = generation == args.generations - 1
                     sampler = _GpuSampler(args.gpu) if last and gpus else None

@@ -275,8 +275,9 @@ class ParentAhead:
     handed ahead to it (inbox entry :attr:`number`), when this worker holds that state in
     memory (:data:`STATES`), is copied to the device in the background
     (:class:`~pbt.distributed.state.DeviceCopies`; a state held on the device as well, in a
-    device copy a buffer), so that the next task loads its parent without a copy. Looked for after each training step until found (the entry
-    may be handed over, or the parent's write finish, while the task trains)."""
+    device copy a buffer), so that the next task loads its parent without a copy. Looked for
+    after each training step until found (the entry may be handed over, or the parent's write
+    finish, while the task trains)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
