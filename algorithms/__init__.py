@@ -2,12 +2,13 @@
 
 Users import the algorithms by name from here, as in AgileRL::
 
-    from pbt.algorithms import GRPO, CISPO, GSPO, LLMPPO, LLMReinforce, SFT, DPO
+    from pbt.algorithms import GRPO, CISPO, GSPO, LLMPPO, LLMReinforce, SFT, DPO, VLLMConfig
 
-Those names are handles that build library-mode populations (:mod:`pbt.library.algorithms`),
-a floor above this package; they are re-exported on first use, like ``pbt``'s own public
-names, so ``import pbt.algorithms`` imports no torch and nothing in this package depends on
-them (tests/test_layout.py holds this package's ``__getattr__`` to exactly that).
+Those names are AgileRL's agent classes and its ``VLLMConfig``, defined in library mode
+(:mod:`pbt.library.algorithms`), a floor above this package; they are re-exported on first use,
+like ``pbt``'s own public names, so ``import pbt.algorithms`` imports no torch (nor does
+building an agent: it loads on first use) and nothing in this package depends on them
+(tests/test_layout.py holds this package's ``__getattr__`` to exactly that).
 """
 
 import logging
@@ -19,12 +20,13 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 HANDLES = (
     "GRPO", "CISPO", "GSPO", "LLMPPO", "LLMReinforce", "LLMREINFORCE", "REINFORCE", "PPO", "SFT",
-    "DPO",
+    "DPO", "VLLMConfig",
 )  # fmt: skip
 
 
 def __getattr__(name: str):
-    """The algorithm handles, imported on first use; any other name is a submodule."""
+    """The agent classes and ``VLLMConfig``, imported on first use; any other name is a
+    submodule."""
     if name not in HANDLES:
         raise AttributeError(f"module 'pbt.algorithms' has no attribute {name!r}")
     from pbt.library import algorithms

@@ -26,6 +26,7 @@ _EXPORTS = {
     "LLMPPO": "pbt.library.algorithms",
     "LLMReinforce": "pbt.library.algorithms",
     "LLMREINFORCE": "pbt.library.algorithms",
+    "VLLMConfig": "pbt.library.algorithms",
     "finetune_llm": "pbt.library.finetune",
     "RLParameter": "pbt.config.ranges",
     "HyperparameterConfig": "pbt.config.ranges",

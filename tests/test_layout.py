@@ -198,7 +198,10 @@ def test_no_import_loop():
 
 @cache
 def _pulls_heavy(name: str) -> bool:
-    """Whether importing ``name`` loads a heavy dependency, at module level, transitively."""
+    """Whether importing ``name`` loads a heavy dependency, at module level, transitively.
+
+    A package that re-exports its own submodules' names lazily (``pbt.distributed``'s
+    ``__getattr__``) counts as loading them: ``from package import name`` does."""
     seen: set[str] = set()
     todo = [name]
     while todo:
@@ -210,6 +213,8 @@ def _pulls_heavy(name: str) -> bool:
         if module.heavy_top:
             return True
         todo.extend(module.top)
+        if module.is_package:  # a name its __getattr__ serves loads that submodule
+            todo.extend(t for t in module.lazy if t.startswith(current + "."))
         parent = current.rpartition(".")[0]
         if parent in modules():
             todo.append(parent)

@@ -5,8 +5,10 @@ AgileRL builds an LLM population with ``create_population(algo, net_config, INIT
 vllm_config=..., pad_token_id=..., **hyperparameters)``. Their arguments fall in three kinds:
 
 - mapped, with AgileRL's meaning: ``tokenizer`` (its pad token), ``lora_config`` (the
-  ``lora`` section), ``use_vllm`` and ``vllm_config`` (the ``rollout`` section),
-  ``algo_kwargs`` (more ``INIT_HP``), ``hp_config`` (``mutation.ranges``);
+  ``lora`` section), ``use_vllm`` and ``vllm_config`` (the ``rollout`` section, as
+  :mod:`pbt.library.vllm_config` reads it; Hugging Face ``generate`` with one warning where
+  vLLM is not installed), ``algo_kwargs`` (more ``INIT_HP``), ``hp_config``
+  (``mutation.ranges``);
 - harmless here, so one warning each when set: ``accelerator`` (members run under torchrun),
   ``torch_compiler``, ``num_envs`` other than 1;
 - refused with one line, because obeying them is impossible and ignoring them would change
@@ -15,12 +17,11 @@ vllm_config=..., pad_token_id=..., **hyperparameters)``. Their arguments fall in
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
-from pbt.config import VLLM_FIELDS
 from pbt.config.errors import ConfigError
+from pbt.library.vllm_config import rollout_section, vllm_config_from, vllm_engine
 
 CREATE_POSITIONAL = (
     "algo", "net_config", "INIT_HP", "observation_space", "action_space", "hp_config",
@@ -119,17 +120,29 @@ def agilerl_sections(extras: dict[str, Any], where: str) -> tuple[dict[str, dict
             model["pad_token"] = value.pad_token
         elif key == "lora_config":
             problems += _lora(value, sections, where)
-        elif key == "use_vllm":
-            sections.setdefault("rollout", {})["engine"] = "vllm" if value else "hf"
-        elif key == "vllm_config":
-            problems += _vllm(value, sections, where)
+        elif key in ("use_vllm", "vllm_config"):
+            continue  # read together below: one engine, one warning
         elif key == "algo_kwargs":
             init_hp |= {str(k).upper(): v for k, v in dict(value).items()}
         else:
             problems.append(f"{where} has no argument {key!r}")
+    problems += _rollout(extras.get("use_vllm"), extras.get("vllm_config"), sections, where)
     if problems:
         raise ConfigError(problems)
     return sections, init_hp
+
+
+def _rollout(use_vllm: Any, vllm_config: Any, sections: dict[str, dict], where: str) -> list[str]:
+    """``use_vllm`` and ``vllm_config`` as the ``rollout`` section: a ``vllm_config`` asks for
+    vLLM unless ``use_vllm`` is False (AgileRL: ``use_vllm=True`` or a ``vllm_config``)."""
+    if vllm_config is not None and use_vllm is not False:
+        config = vllm_config_from(vllm_config, where)
+        rollout, problems = rollout_section(config, where)
+        sections.setdefault("rollout", {}).update(rollout)
+        return problems
+    if use_vllm is not None:
+        sections.setdefault("rollout", {})["engine"] = vllm_engine(where) if use_vllm else "hf"
+    return []
 
 
 def _lora(value: Any, sections: dict[str, dict], where: str) -> list[str]:
@@ -145,24 +158,6 @@ def _lora(value: Any, sections: dict[str, dict], where: str) -> list[str]:
     if bias != "none":
         return [f"{where}(lora_config.bias={bias!r}) is not supported: adapters train no bias"]
     return []
-
-
-def _vllm(value: Any, sections: dict[str, dict], where: str) -> list[str]:
-    """AgileRL's ``VLLMConfig`` as ``rollout.engine: vllm`` and the ``rollout.vllm`` fields
-    of the same name; any other field set to something is refused."""
-    if dataclasses.is_dataclass(value):
-        fields = dataclasses.asdict(value)
-    else:
-        fields = dict(value) if isinstance(value, dict) else vars(value)
-    rollout = sections.setdefault("rollout", {})
-    rollout["engine"] = "vllm"
-    rollout["vllm"] = {k: v for k, v in fields.items() if k in VLLM_FIELDS and v is not None}
-    return [
-        f"{where}(vllm_config.{key}={value!r}) has no rollout.vllm field here; drop it "
-        f"(fields: {', '.join(VLLM_FIELDS)})"
-        for key, value in fields.items()
-        if key not in VLLM_FIELDS and value not in (None, False, 0, 0.0, [], {})
-    ]
 
 
 def _short(value: Any) -> str:

@@ -18,7 +18,7 @@ from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import range_specs
 from pbt.controller.population import initial_records
 from pbt.library.agilerl import agilerl_sections, create_call
-from pbt.library.population import Population
+from pbt.library.population import Agent, Population
 
 
 def create_population(
@@ -36,6 +36,7 @@ def create_population(
     device: str | None = None,
     rng: random.Random | None = None,
     storage: str | None = None,
+    agent_class: type[Agent] = Agent,
     **agilerl_kwargs: Any,
 ) -> Population:
     """The population of generation 0: agents that load nothing until first used.
@@ -65,6 +66,7 @@ def create_population(
             ``training.seed`` when omitted.
         storage: the Optuna storage that keeps the initial draws (a campaign passes its
             ``optuna.db``); default in memory.
+        agent_class: the class of the agents (``GRPO.population`` passes ``GRPO``).
         agilerl_args, agilerl_kwargs: the rest of AgileRL's call shape.
 
     Raises:
@@ -88,6 +90,7 @@ def create_population(
                 init_sampler=init_sampler,
                 rng=rng,
                 storage=storage,
+                agent_class=agent_class,
             ),
         )
     if first is not None and INIT_HP is not None:
@@ -109,7 +112,7 @@ def create_population(
             manifest = _overridden(manifest, overrides)
     rng = rng or random.Random(manifest.training.seed)
     members = initial_records(manifest, storage)
-    return Population(manifest, members, rng)
+    return Population(manifest, members, rng, agent_class)
 
 
 _OWN_ARGS = ("algo", "INIT_HP", "hp_config", "population_size", "model_name", "device")
@@ -146,6 +149,7 @@ def _from_agilerl_call(
         init_sampler=ours["init_sampler"],
         rng=ours["rng"],
         storage=ours["storage"],
+        agent_class=ours["agent_class"],
     )
 
 

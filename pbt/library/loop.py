@@ -275,7 +275,7 @@ class _Run:
         for entry in state["members"]:
             member_id = plain_name(entry["member_id"], f"a member id in {self.out / STATE_FILE}")
             record = MemberRecord(member_id=member_id, generation=state["generation"])
-            agent = Agent(self.pop, record)
+            agent = self.pop.agent_class.of(self.pop, record)
             self.pop.agents.append(agent)
             try:
                 what = f"a checkpoint named in {self.out / STATE_FILE}"

@@ -23,6 +23,7 @@ order; each agent call is then a collective of the member's ranks.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
+from pbt.config.fsdp import FSDPConfig
 from pbt.config.ranges import BatchRule, batch_rule
 from pbt.controller.population import breed, build_mutations, build_selection, child_record
 from pbt.protocol.records import MemberRecord, member_seed
@@ -63,9 +65,17 @@ class Agent:
         self._steps = record.steps
         self._removed = False
 
+    @classmethod
+    def of(cls, population: Population, record: MemberRecord) -> Agent:
+        """An agent of this class for ``record`` in ``population``, whatever its constructor
+        takes (``GRPO(...)`` takes AgileRL's arguments and builds a population of its own)."""
+        agent = cls.__new__(cls)
+        Agent.__init__(agent, population, record)
+        return agent
+
     def __repr__(self) -> str:
         last = f"{self.fitness[-1]:.4f}" if self.fitness else "none"
-        return f"Agent({self.member_id}, steps={self.steps}, fitness={last})"
+        return f"{type(self).__name__}({self.member_id}, steps={self.steps}, fitness={last})"
 
     # -- what the member is ----------------------------------------------------------------
 
@@ -241,15 +251,23 @@ class Population(Sequence[Agent]):
     """The agents of one generation, their shared base, and the generator evolution draws from.
 
     Made by :func:`create_population` (or ``GRPO.population(...)``). Indexing and iterating
-    give the agents; :attr:`tournament` and :attr:`mutations` are the selection and mutation
-    the configuration describes, and :meth:`evolve` applies both.
+    give the agents, each of ``agent_class`` (``GRPO.population`` makes ``GRPO`` agents);
+    :attr:`tournament` and :attr:`mutations` are the selection and mutation the configuration
+    describes, and :meth:`evolve` applies both.
     """
 
-    def __init__(self, manifest: Manifest, records: list[MemberRecord], rng: random.Random):
+    def __init__(
+        self,
+        manifest: Manifest,
+        records: list[MemberRecord],
+        rng: random.Random,
+        agent_class: type[Agent] = Agent,
+    ):
         self.manifest = manifest
         self.rng = rng
+        self.agent_class = agent_class
         self.generation = max((r.generation for r in records), default=0)
-        self.agents = [Agent(self, r) for r in records]
+        self.agents = [agent_class.of(self, r) for r in records]
         self.elite: Agent | None = None
         self._engine: SharedBase | None = None
         self._next_id = 0
@@ -362,6 +380,7 @@ class Population(Sequence[Agent]):
             from pbt.algorithms.shared_base import SharedBase
             from pbt.distributed import pick_device, world_info
 
+            _check_launch(self.manifest)
             device = pick_device(self.manifest.training.device, world_info().local_rank)
             self._engine = SharedBase(self.manifest, device)
         return self._engine
@@ -378,7 +397,7 @@ class Population(Sequence[Agent]):
     def _clone(self, parent: Agent, record: MemberRecord) -> Agent:
         """The agent of ``record``, a child of ``parent`` (:func:`child_record`), holding a
         copy of the parent's state when the parent has any."""
-        child = Agent(self, record)
+        child = self.agent_class.of(self, record)
         if parent.materialised:
             seed = member_seed(self.manifest.training.seed, record.member_id)
             self._engine.clone(parent.member_id, record.member_id, seed)
@@ -393,6 +412,21 @@ class Population(Sequence[Agent]):
             candidate = f"g{self.generation:03d}-c{self._next_id:02d}"
             if candidate not in taken:
                 return candidate
+
+
+def _check_launch(manifest: Manifest) -> None:
+    """FSDP2 shards over a process group, which only a launcher makes: refuse, in one line,
+    to load a sharded population in a plain ``python script.py`` (AgileRL: construct it only
+    under torchrun)."""
+    import torch.distributed as dist
+
+    sharded = FSDPConfig.from_value(manifest.distributed.fsdp) is not None
+    if sharded and "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+        raise PbtError(
+            "fsdp_config (distributed.fsdp) shards the model over a process group, and this "
+            "process has none: launch the script with torchrun (torchrun --nproc_per_node=N "
+            "script.py; N=1 works), or drop fsdp_config to train data parallel"
+        )
 
 
 class _Unmeasured(dict):
