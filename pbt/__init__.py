@@ -28,6 +28,7 @@ _EXPORTS = {
     "LLMREINFORCE": "pbt.library.algorithms",
     "VLLMConfig": "pbt.library.algorithms",
     "finetune_llm": "pbt.library.finetune",
+    "finetune_llm_reasoning": "pbt.library.finetune",
     "RLParameter": "pbt.config.ranges",
     "HyperparameterConfig": "pbt.config.ranges",
     "FSDPConfig": "pbt.config.fsdp",

@@ -63,6 +63,9 @@ class Algorithm(Agent):
     name: ClassVar[str]
     loss: ClassVar[str | None] = None
     """The ``algorithm.loss`` this class stands for (CISPO, GSPO); None leaves it to config."""
+    defaults: ClassVar[dict[str, Any]] = {}
+    """AgileRL's defaults kept where the manifest's would not do, by dotted path (DPO's beta,
+    which must be above 0); a value the call gives wins."""
 
     def __init__(
         self,
@@ -126,14 +129,24 @@ class Algorithm(Agent):
     ) -> Population:
         """The population behind ``size`` agents of this class, from a call's arguments."""
         extras = {key: kwargs.pop(key) for key in list(kwargs) if key in EXTRAS}
-        agilerl, init_hp = agilerl_sections(extras, where)
-        more, keyword_hp, problems = read_keywords(kwargs, where)
+        try:
+            agilerl, init_hp = agilerl_sections(extras, where)
+            problems = []
+        except ConfigError as err:  # reported with the rest below
+            agilerl, init_hp, problems = {}, {}, list(err.problems)
+        more, keyword_hp, refused = read_keywords(kwargs, where)
+        problems += refused
         sections = {name: dict(values) for name, values in (own["config"] or {}).items()}
         for extra in (agilerl, more):
             _merge(sections, extra)
         if cls.loss is not None:
             cls._set_loss(sections.setdefault("algorithm", {}))
-        if size == 1 and not {"TOURN_SIZE", "TOURNAMENT_SIZE"} & set(init_hp | keyword_hp):
+        hp = init_hp | keyword_hp
+        for path, value in cls.defaults.items():
+            section, key = path.split(".")
+            if key.upper() not in hp and key not in sections.get(section, {}):
+                sections.setdefault(section, {})[key] = value
+        if size == 1 and not {"TOURN_SIZE", "TOURNAMENT_SIZE"} & set(hp):
             sections.setdefault("population", {}).setdefault("tournament_size", 1)
         model_section = sections.setdefault("model", {})
         for key in ("pad_token_id", "pad_token"):
@@ -146,7 +159,7 @@ class Algorithm(Agent):
         device = own["device"]
         try:
             population = create_population(
-                init_hp | keyword_hp,
+                hp,
                 algo=cls.name,
                 config=sections,
                 population_size=size,
@@ -211,6 +224,7 @@ class DPO(Algorithm):
     """Direct preference optimisation on chosen/rejected pairs."""
 
     name = "DPO"
+    defaults: ClassVar[dict[str, Any]] = {"algorithm.beta": 0.1}
 
 
 class CISPO(GRPO):
