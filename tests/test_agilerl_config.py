@@ -1,28 +1,44 @@
 """AgileRL's configs load as AgileRL means them: fixtures reproduce their published LLM configs
 and tutorial constants (each cites its file and commit); each mapped key lands in the config
 that uses it, each key without an effect here gives its one line, and the README's table is the
-code's table."""
+code's table. Every fixture, shrunk in its own layout, passes ``pbt check`` and runs a campaign
+of 2 members x 2 generations with ``pbt run``; members get the manifest translated once, in
+canonical form, which reads back to the same manifest."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
+from test_campaign import FAKE, _decisions
 
+from pbt.cli.main import main as pbt_main
 from pbt.config import (
     MUTABLE_BY_ALGORITHM,
+    SECTIONS,
     ConfigError,
     RewardRef,
     load_manifest,
     manifest_from_dict,
 )
 from pbt.config.agilerl import mapping_rows, translate_agilerl
+from pbt.config.canonical import canonical_sections, manifest_from_canonical
+from pbt.controller.campaign import Campaign
+from pbt.controller.store import CampaignStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agilerl"
+FIXTURE_PATHS = sorted(FIXTURES.glob("*.yaml"))
 README = Path(__file__).parents[1] / "README.md"
 GROUP_SIZE_MUTABLE = "group_size" in MUTABLE_BY_ALGORITHM["GRPO"]
 
@@ -310,3 +326,181 @@ def test_the_readme_table_is_the_codes_table() -> None:
     ]
     assert rows == mapping_rows()
     assert not re.search(r"AgileRL's[^.]*`TOURNAMENT_SIZE`", text)
+
+
+# -- one canonical manifest crosses the process boundary ----------------------------------------
+
+
+def _loadable(path: Path) -> dict:
+    """A fixture's sections with vLLM off where it asks for it (vLLM is not installed here)."""
+    data = yaml.safe_load(path.read_text())
+    if "USE_VLLM" in data.get("INIT_HP", {}):
+        data["INIT_HP"]["USE_VLLM"] = False
+    if "use_vllm" in data.get("algorithm", {}):
+        data["algorithm"]["use_vllm"] = False
+    return data
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_the_canonical_form_reads_back_to_the_same_manifest(path: Path) -> None:
+    """Every field compares equal (``translation_notes`` is not a setting and is not compared);
+    through JSON (a task) and YAML (``pbt check --resolved``) alike."""
+    manifest = manifest_from_dict(_loadable(path), base_dir=FIXTURES)
+    sections = canonical_sections(manifest)
+    assert list(sections) == list(SECTIONS)
+    for text, parse in (
+        (json.dumps(sections), json.loads),
+        (yaml.safe_dump(sections), yaml.safe_load),
+    ):
+        back = manifest_from_canonical(parse(text), base_dir=FIXTURES)
+        assert back == manifest and canonical_sections(back) == sections
+        assert back.translation_notes == []  # translated once, before: nothing to say again
+
+
+def test_a_copy_with_sorted_keys_means_the_same() -> None:
+    """A campaign's store keeps the sections as JSON with sorted keys, from which resume
+    rebuilds the manifest: AgileRL's prompt turns keep the order of their indices."""
+    data = yaml.safe_load((FIXTURES / "grpo.yaml").read_text())
+    copy_sorted = json.loads(json.dumps(data, sort_keys=True))
+    assert next(iter(copy_sorted["environment"]["prompt_template"])) == "assistant_2"
+    resumed = manifest_from_dict(copy_sorted, base_dir=FIXTURES)
+    assert resumed == manifest_from_dict(data, base_dir=FIXTURES)
+    assert resumed.task.assistant_prefill == "Let me solve this step by step.\n<redacted_thinking>"
+
+
+def test_a_member_refuses_a_manifest_that_was_never_translated() -> None:
+    """The mixture members were once handed (AgileRL's sections plus our training section) is
+    refused in one line, instead of a second translation's misleading problems."""
+    mixture = yaml.safe_load((FIXTURES / "grpo.yaml").read_text())
+    mixture["training"] |= {"steps": 4, "activation_checkpointing": False}
+    with pytest.raises(ConfigError) as err:
+        manifest_from_canonical(mixture, base_dir=FIXTURES)
+    assert len(err.value.problems) == 1
+    assert err.value.problems[0].startswith(
+        "not a canonical manifest: environment, selection_strategy, network are not our sections"
+    )
+    agilerl_keys = {"training": {"max_steps": 4}}
+    with pytest.raises(ConfigError, match=r"algorithm, training or mutation holds AgileRL's keys"):
+        manifest_from_canonical(agilerl_keys, base_dir=FIXTURES)
+    upper = {"INIT_HP": {"LR": 1e-5}}
+    with pytest.raises(ConfigError, match=r"not a canonical manifest: INIT_HP is not"):
+        manifest_from_canonical(upper, base_dir=FIXTURES)
+
+
+SMALL_INIT_HP = {"POP_SIZE": 2, "BATCH_SIZE": 2, "MAX_OUTPUT_TOKENS": 4, "EVO_STEPS": 1}
+SMALL_ALGORITHM = {"batch_size": 2, "max_output_tokens": 4}
+SMALL_TRAINING = {"pop_size": 2, "evo_steps": 1, "max_steps": 4}
+LOCAL_ROWS = {"GRPO": "countdown.jsonl", "DPO": "prefs.jsonl", "SFT": "prefs.jsonl"}
+FAST = {"launch": {"slots": 1, "persistent_workers": True}, "tracking": {"enabled": False}}
+"""One long-lived worker per campaign serves its four tasks (the cheapest shape measured)."""
+
+
+def _small_campaign(path: Path, folder: Path) -> Path:
+    """The fixture in its own layout (its own keys, in its own spelling), shrunk to 2 members
+    x 2 generations of one step on the tiny model: population, batch, group and completion
+    length set smaller, the model and any hub rows pointed at local ones, vLLM off; plus our
+    ``launch`` and ``tracking`` sections, which AgileRL's format lacks, for speed."""
+    data = _loadable(path)
+    if "INIT_HP" in data:
+        data["INIT_HP"] |= SMALL_INIT_HP | (
+            {"GROUP_SIZE": 2} if "GROUP_SIZE" in data["INIT_HP"] else {}
+        )
+        data |= {"model": {"name": "builtin:tiny"}, "task": {"name": "builtin:letters", "eval_size": 2},
+                 "budget": {"generations": 2}}  # fmt: skip
+    else:
+        data["algorithm"] |= SMALL_ALGORITHM
+        data["training"] |= SMALL_TRAINING
+        data["network"]["pretrained_model_name_or_path"] = "builtin:tiny"
+        data["environment"]["dataset"] = LOCAL_ROWS[data["algorithm"]["name"]]
+    for name in ("reward.py", *set(LOCAL_ROWS.values())):
+        shutil.copy(FIXTURES / name, folder / name)
+    out = folder / path.name
+    out.write_text(yaml.safe_dump(data | FAST, sort_keys=False))
+    return out
+
+
+CONCURRENT = 3
+"""Campaigns run at once. Each is mostly process start-up (a controller, a torchrun agent, a
+worker importing torch and transformers, the tiny model) and a few seconds of training: one
+long-lived worker per campaign took 16.6 s of CPU for grpo_lora's, a process per task 60 s. On
+two cores shared with other work (load ~10), the ten took 8.7 minutes one after another and
+4.1 minutes three at a time (3.5 CPU-minutes in all)."""
+
+
+def _pbt_run(manifest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pbt.cli", "run", str(manifest), "--dir", str(manifest.parent / "c")],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fixture_campaigns(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Every fixture's small campaign run by ``pbt run``, :data:`CONCURRENT` at a time: its
+    manifest and finished process, by fixture name."""
+    root = tmp_path_factory.mktemp("agilerl-campaigns")
+    manifests = []
+    for path in FIXTURE_PATHS:
+        (root / path.stem).mkdir()
+        manifests.append(_small_campaign(path, root / path.stem))
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        runs = list(pool.map(_pbt_run, manifests))
+    return {m.parent.name: (m, run) for m, run in zip(manifests, runs, strict=True)}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("path", FIXTURE_PATHS, ids=lambda p: p.stem)
+def test_each_fixture_checks_and_runs_a_2x2_campaign(path: Path, fixture_campaigns, capsys) -> None:
+    """``pbt check`` passes and ``pbt run`` ends: four members trained, each handed the
+    controller's canonical manifest, which reads back to the checked manifest but for the
+    members' schedule (``training.steps``: the campaign's, not one generation's)."""
+    manifest_path, run = fixture_campaigns[path.stem]
+    assert pbt_main(["check", str(manifest_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == f"{manifest_path}: valid", err
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    directory = manifest_path.parent / "c"
+    with CampaignStore(directory / "store.db") as store:
+        members = store.members()
+    assert len(members) == 4 and {m.generation for m in members} == {0, 1}
+    assert all(m.status == "done" and len(m.fitness_history) >= 1 for m in members), members
+    checked = load_manifest(manifest_path)
+    steps = checked.budget.generations * checked.population.evo_steps  # the whole campaign
+    want = dataclasses.replace(checked, training=dataclasses.replace(checked.training, steps=steps))
+    for task in directory.glob("tasks/*/task.json"):
+        handed = json.loads(task.read_text())
+        assert list(handed["manifest"]) == list(SECTIONS)
+        assert manifest_from_canonical(handed["manifest"], handed["manifest_base_dir"]) == want
+
+
+def _finish(campaign: Campaign) -> int:
+    campaign.say = lambda *_: None
+    try:
+        return campaign.run().generations
+    finally:
+        campaign.close()
+
+
+@pytest.mark.integration
+def test_an_agilerl_campaign_resumes_with_a_raised_budget_as_if_planned(tmp_path: Path) -> None:
+    """Resume rebuilds the manifest from the store's sections as written (AgileRL's lowercase
+    ones, translated again by the resuming controller); ``--total-steps`` replaces their
+    ``training.max_steps``, the members are handed the canonical manifest with the new budget,
+    and the decisions are those of a campaign planned with it (fake members: the controller is
+    under test)."""
+    small = _small_campaign(FIXTURES / "grpo.yaml", tmp_path)
+    planned = yaml.safe_load(small.read_text())
+    planned["training"]["max_steps"] = 6
+    (tmp_path / "planned.yaml").write_text(yaml.safe_dump(planned, sort_keys=False))
+    assert _finish(Campaign.start(tmp_path / "planned.yaml", tmp_path / "p", FAKE)) == 3
+    assert _finish(Campaign.start(small, tmp_path / "c", FAKE)) == 2
+    resumed = Campaign.resume(tmp_path / "c", FAKE, budget={"total_steps": 6})
+    assert _finish(resumed) == 3
+    assert _decisions(tmp_path / "c") == _decisions(tmp_path / "p")
+    with CampaignStore(tmp_path / "c" / "store.db") as store:
+        kept = store.load_config()["manifest"]
+    assert {"network", "environment", "selection_strategy"} <= set(kept)  # as written
+    assert "max_steps" not in kept["training"] and kept["budget"] == {"total_steps": 6}
+    task = json.loads((tmp_path / "c" / "tasks" / "g002-m00" / "task.json").read_text())
+    handed = manifest_from_canonical(task["manifest"], task["manifest_base_dir"])
+    assert handed.budget.total_steps == 6 and handed.training.steps == 3  # 3 generations x 1

@@ -1,13 +1,15 @@
-"""The inspection commands on a real checkpoint: inspect, export, export --merge; and Ctrl-C
-during ``pbt run``."""
+"""The inspection commands on a real checkpoint: inspect, export, export --merge; Ctrl-C
+during ``pbt run``; and what ``pbt check`` says."""
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,11 @@ from transformers import AutoModelForCausalLM
 
 from pbt.algorithms.member import Member
 from pbt.algorithms.models import resolve_model_path
+from pbt.cli.main import main
+from pbt.config import load_manifest
+from pbt.config.canonical import manifest_from_canonical
+
+AGILERL = Path(__file__).parent / "fixtures" / "agilerl"
 
 
 def _pbt(*args: str) -> subprocess.CompletedProcess:
@@ -98,3 +105,35 @@ def test_ctrl_c_during_run_names_the_command_that_resumes(tmp_path):
     assert "Traceback" not in err, err
     assert f"interrupted: resume with pbt resume {shlex.quote(str(directory))}" in err, err
     assert "pbt resume DIR" not in err
+
+
+def test_check_says_its_notes_and_verdict_and_resolved_prints_the_canonical_form(tmp_path, capsys):
+    """``pbt check``: a line per note and the verdict, nothing on stdout; ``--resolved``: the
+    same lines, and on stdout the configuration as YAML, which loads back to the manifest and
+    passes ``pbt check`` itself, with nothing left to translate."""
+    path = AGILERL / "grpo.yaml"  # AgileRL's lowercase format, with its notes
+    notes = load_manifest(path).notes()
+    assert main(["check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and len(notes) >= 3
+    assert err.splitlines() == [*(f"note: {n}" for n in notes), f"{path}: valid"]
+    assert main(["check", "--resolved", str(path)]) == 0
+    resolved, again = capsys.readouterr()
+    assert again == err
+    assert manifest_from_canonical(yaml.safe_load(resolved), AGILERL) == load_manifest(path)
+    for name in ("reward.py", "countdown.jsonl"):
+        shutil.copy(AGILERL / name, tmp_path / name)
+    (tmp_path / "resolved.yaml").write_text(resolved)
+    assert main(["check", str(tmp_path / "resolved.yaml")]) == 0
+    assert capsys.readouterr() == ("", f"{tmp_path / 'resolved.yaml'}: valid\n")
+
+
+def test_check_names_each_problem_on_its_own_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model": {"nmae": "builtin:tiny"}, "optim": {"lr": -1.0}}))
+    assert main(["check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[0] == f"error: {path}: 2 problems"
+    problems = err.splitlines()[1:]
+    assert len(problems) == 2 and all(p.startswith("  - ") for p in problems), err
+    assert "model.nmae is not a known key; did you mean 'name'?" in problems[0]

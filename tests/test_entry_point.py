@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,11 @@ SMALL = {
 }
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+"""``torchrun`` itself (its console script runs this module), under this interpreter: a copied
+virtualenv's ``torchrun`` script may name another one in its first line."""
+
+
 def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -38,38 +42,40 @@ def _done_line(stdout: str) -> tuple[float, float]:
 
 
 def test_torchrun_trains_checkpoints_and_resumes(tmp_path):
+    """The public manifest launch, as AgileRL's page writes it (``-m pbt.train``): two ranks,
+    data parallel on the CPU with gloo, train two steps and save one checkpoint; ``python -m
+    pbt.train --resume`` continues it on one rank."""
     manifest = tmp_path / "member.yaml"
-    manifest.write_text(
-        yaml.safe_dump({**SMALL, "training": {**SMALL["training"], "output_dir": "out"}})
-    )
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    training = {**SMALL["training"], "steps": 2, "output_dir": "out"}
+    manifest.write_text(yaml.safe_dump({**SMALL, "training": training}))
     proc = _run(
-        [torchrun, "--nproc_per_node=1", "--standalone", "-m", "pbt.worker.train", str(manifest)],
+        [*TORCHRUN, "--nproc_per_node=2", "--standalone", "-m", "pbt.train", str(manifest)],
         tmp_path,
     )
-    assert "step    3/3" in proc.stdout
+    assert "x2 ranks (data parallel)" in proc.stdout and "step    2/2" in proc.stdout
+    assert proc.stdout.count("done: ") == 1  # rank 0 alone speaks and writes
     attrs = load_checkpoint(tmp_path / "out" / "checkpoint")
-    assert attrs["step"] == 3 and len(attrs["fitness"]) == 1
+    assert attrs["step"] == 2 and len(attrs["fitness"]) == 1
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if "reward_mean" in x] == [1, 2, 3]
+    assert [x["step"] for x in lines if "reward_mean" in x] == [1, 2]
 
     resumed = _run(
         [
             sys.executable,
             "-m",
-            "pbt.worker.train",
+            "pbt.train",
             str(manifest),
             "--resume",
             "out/checkpoint",
             "--steps",
-            "5",
+            "4",
             "--output-dir",
             "out2",
         ],
         tmp_path,
     )
-    assert "step    4/5" in resumed.stdout and "step    1/" not in resumed.stdout
-    assert load_checkpoint(tmp_path / "out2" / "checkpoint")["step"] == 5
+    assert "step    3/4" in resumed.stdout and "step    1/" not in resumed.stdout
+    assert load_checkpoint(tmp_path / "out2" / "checkpoint")["step"] == 4
 
 
 def test_quickstart_member_learns(tmp_path):
@@ -91,7 +97,7 @@ def test_quickstart_member_learns(tmp_path):
         [
             sys.executable,
             "-m",
-            "pbt.worker.train",
+            "pbt.train",
             str(control_manifest),
             "--steps",
             "5",
@@ -130,6 +136,7 @@ def test_wheel_installs_one_import_root(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"pbt"}, tops
     assert "pbt/algorithms/grpo.py" in names and "pbt/distributed/process_group.py" in names
+    assert "pbt/train.py" in names  # torchrun -m pbt.train
     assert "pbt/configs/quickstart.yaml" in names
     example = repo / "configs" / "examples" / "own_task"
     shipped = {f"pbt/configs/examples/own_task/{p.name}" for p in example.iterdir() if p.is_file()}
@@ -150,7 +157,7 @@ def test_wheel_installs_one_import_root(tmp_path):
         tmp_path,
     )
     probe = (
-        "import pbt, pbt.algorithms.grpo, pbt.distributed, pbt.worker.train;"
+        "import pbt, pbt.algorithms.grpo, pbt.distributed, pbt.train, pbt.worker.train;"
         "print(pbt.__file__);"
         "print(pbt.worker.train.default_manifest_path().is_file())"
     )

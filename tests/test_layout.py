@@ -7,7 +7,7 @@ Every module under the package-dir mapping is read with ``ast`` (function-level 
     1  pbt.protocol
     2  pbt.distributed
     3  pbt.algorithms
-    4  pbt.controller, pbt.worker, pbt.library, pbt.hpo
+    4  pbt.controller, pbt.worker, pbt.library, pbt.hpo, pbt.train
     5  pbt.cli
 
 A module may import its own floor and the floors below, never one above; no module may reach
@@ -43,6 +43,7 @@ FLOORS = {
     "pbt.worker": 4,
     "pbt.library": 4,
     "pbt.hpo": 4,
+    "pbt.train": 4,
     "pbt.cli": 5,
 }
 FACADES = {"pbt.algorithms": {"pbt.library.algorithms"}}

@@ -125,9 +125,9 @@ def test_a_campaign_with_a_prefill_passes_check_and_sft_refuses_one(folder):
     sections = small_sections(folder, task={"assistant_prefill": PREFILL})
     path = folder / "manifest.yaml"
     path.write_text(yaml.safe_dump(sections))
-    check = subprocess.run([*PBT, "check", str(path)], capture_output=True, text=True)
+    check = subprocess.run([*PBT, "check", "--resolved", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr[-2000:]
-    assert json.loads(check.stdout)["task"]["assistant_prefill"] == PREFILL
+    assert yaml.safe_load(check.stdout)["task"]["assistant_prefill"] == PREFILL
     sections["algorithm"] = {"name": "SFT"}
     with pytest.raises(
         ConfigError, match=r"task.assistant_prefill starts a sampled reply, but SFT"

@@ -9,7 +9,7 @@
     pbt ui DIR [--port P]            the MLflow UI on a campaign's (or population's) runs
     pbt dashboard DIR [--port P]     optuna-dashboard on a campaign's studies
     pbt train [MANIFEST]             train one member on its own
-    pbt check MANIFEST               validate a manifest
+    pbt check MANIFEST [--resolved]  validate a manifest (--resolved: print what it resolves to)
     pbt estimate-memory MANIFEST     each member's GPU memory, whether it fits, what to turn
     pbt stop DIR                     interrupt a campaign's controller and end its members
     pbt submit MANIFEST --dir DIR    run the controller itself as a Slurm job
@@ -20,8 +20,6 @@ User errors print one clear message and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import shlex
 import signal
 import sys
@@ -35,6 +33,7 @@ from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
 from pbt.config.campaign import BudgetConfig
+from pbt.config.canonical import resolved_yaml
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
 from pbt.controller.budget import FLAGS
@@ -46,12 +45,14 @@ from pbt.worker.train import default_manifest_path
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Validate a manifest: its notes, a memory warning and the verdict, one line each on
+    stderr (problems: one line each, exit 2); with ``--resolved``, the configuration it
+    resolves to, in canonical form, as YAML on stdout."""
     manifest = load_manifest(args.manifest)
     if manifest.task.train is not None:
         _check_rows(manifest)
-    settings = dataclasses.asdict(manifest)
-    settings.pop("translation_notes")  # printed as notes below
-    print(json.dumps(settings, indent=2))
+    if args.resolved:
+        print(resolved_yaml(manifest), end="")
     _print_notes(manifest)
     warning = memory.memory_warning(manifest, args.manifest)
     if warning:
@@ -294,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=_submit)
     check = sub.add_parser("check", help="validate a manifest")
     check.add_argument("manifest")
+    check.add_argument(
+        "--resolved",
+        action="store_true",
+        help="print the resolved configuration (every section, translated, as YAML)",
+    )
     check.set_defaults(func=_check)
     memory.add_parser(sub)
     return parser

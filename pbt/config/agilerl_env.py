@@ -97,12 +97,19 @@ def _split(out: Translation, value: Any, _: dict[str, str]) -> None:
 def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
     """Turns ``{role}_{index}``, in order: a system turn, one user turn and, last, an assistant
     turn that starts the reply (``task.assistant_prefill``). The user turn's ``{question}`` and
-    ``{answer}`` name the row's own columns here, as AgileRL's rename made them."""
+    ``{answer}`` name the row's own columns here, as AgileRL's rename made them.
+
+    The order is the turns' indices (AgileRL takes the mapping's order, which its names spell
+    out): a copy whose keys were sorted, as a campaign's store keeps it, means the same.
+    Without an index on every turn, the mapping's order stands."""
     if not isinstance(value, dict):
         out.problems.append(f"environment.prompt_template ({value!r}) must map turns to text")
         return
-    last = list(value)[-1] if value else None
-    for turn, text in value.items():
+    turns = list(value.items())
+    if all(_turn_index(turn) is not None for turn, _ in turns):
+        turns.sort(key=lambda item: _turn_index(item[0]))
+    last = turns[-1][0] if turns else None
+    for turn, text in turns:
         role = str(turn).rsplit("_", 1)[0]
         where = f"environment.prompt_template.{turn}"
         if role == "system":
@@ -119,6 +126,12 @@ def _template(out: Translation, value: Any, renamed: dict[str, str]) -> None:
                 f"supported here, not a {role} turn before it, and dropping it would change what "
                 "the model is asked; move its text into the user turn or remove it"
             )
+
+
+def _turn_index(turn: Any) -> int | None:
+    """The index of a ``{role}_{index}`` turn; None for a name without one."""
+    head, _, index = str(turn).rpartition("_")
+    return int(index) if head and index.isdigit() else None
 
 
 def _prefill(out: Translation, text: str, where: str) -> None:

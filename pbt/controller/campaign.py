@@ -10,8 +10,11 @@ Directory layout::
     <campaign>/checkpoints/<member>/
 
 Each generation boundary is one store transaction that also carries the controller's RNG state,
-so a resumed campaign makes exactly the decisions an uninterrupted one would. This module
-imports no torch: members are separate processes.
+so a resumed campaign makes exactly the decisions an uninterrupted one would. The store keeps
+the manifest's sections as the user wrote them (AgileRL's spellings included), from which
+``resume`` rebuilds the same :class:`Manifest`; each task carries the manifest in its canonical
+form (:mod:`pbt.config.canonical`), translated and validated once, here. This module imports no
+torch: members are separate processes.
 
 The controller writes, loads and deletes only inside its directory: a member id, or a checkpoint
 path from the store or from a member's result, that would lead elsewhere (``..``, an absolute
@@ -29,11 +32,12 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
+from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
 from pbt.controller import slurm
@@ -557,8 +561,8 @@ class Campaign:
             task_dir / "task.json",
             {
                 "campaign_dir": str(self.dir.resolve()),
-                "manifest": self.raw["manifest"] | {"training": self._training_section()},
-                "manifest_base_dir": self.raw["base_dir"],
+                "manifest": self._member_sections(),
+                "manifest_base_dir": self.manifest.base_dir,
                 "member_id": m.member_id,
                 "generation": m.generation,
                 "parent_id": m.parent_id,
@@ -579,11 +583,13 @@ class Campaign:
         nproc = self.manifest.launch.ranks
         return TaskSpec(m.member_id, task_dir, log_path=log, nproc=nproc, adopt=adopt)
 
-    def _training_section(self) -> dict[str, Any]:
-        """The members' schedule spans the whole campaign, not one generation."""
-        training = asdict(self.manifest.training)
-        training["steps"] = self.manifest.budget.generations * self.manifest.population.evo_steps
-        return training
+    def _member_sections(self) -> dict[str, Any]:
+        """The manifest members train by, in canonical form (translated and validated once, by
+        this controller; a member translates nothing): the campaign's, with a schedule that
+        spans the whole campaign, not one generation."""
+        steps = self.manifest.budget.generations * self.manifest.population.evo_steps
+        training = replace(self.manifest.training, steps=steps)
+        return canonical_sections(replace(self.manifest, training=training))
 
     def _launcher(self) -> LocalLauncher:
         """A launcher per generation; with ``persistent_workers`` one for the whole campaign,

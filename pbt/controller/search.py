@@ -156,7 +156,11 @@ def record_members(
     for member_id, hyperparameters, fitness, generation in members:
         if member_id in known:
             continue
-        params = {name: hyperparameters[name] for name in space if name in hyperparameters}
+        params = {
+            name: hyperparameters[name]
+            for name in space
+            if name in hyperparameters and _within(space[name], hyperparameters[name])
+        }
         finite = fitness is not None and math.isfinite(fitness)
         trial = optuna.trial.create_trial(
             params=params,
@@ -360,6 +364,14 @@ def _search_problems(
             f"pip install {' '.join(missing)} or use sampler: tpe"
         )
     return problems
+
+
+def _within(distribution: BaseDistribution, value: float) -> bool:
+    """Whether ``value`` lies within ``distribution``'s bounds. A member's first value may lie
+    outside its mutation range (AgileRL's published cispo.yaml starts ``BETA`` at 0, below
+    ``MIN_BETA``), which Optuna refuses in a trial: such a value is left out of the member's
+    trial, which records the rest."""
+    return distribution.low <= value <= distribution.high
 
 
 def _distributions(ranges: dict[str, HPRange]) -> dict[str, BaseDistribution]:

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
+from pbt.config.canonical import manifest_from_canonical
 from pbt.config.errors import PbtError
-from pbt.config.loader import manifest_from_dict
 from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import RELEASED, Heartbeat, read_json, write_json_atomic
@@ -345,14 +345,15 @@ def _train(
 
 def _manifest(task: dict[str, Any]) -> Manifest:
     """The task's manifest, parsed once per worker process for each distinct manifest: every
-    task of a campaign carries the same one, which the controller validated already."""
+    task of a campaign carries the same one, in canonical form, which the controller translated
+    and validated already (read back here with the same rules, translating nothing)."""
     text = json.dumps(task["manifest"], sort_keys=True)
     return _parsed_manifest(text, str(task["manifest_base_dir"]))
 
 
 @functools.lru_cache(maxsize=4)
 def _parsed_manifest(text: str, base_dir: str) -> Manifest:
-    return manifest_from_dict(json.loads(text), base_dir=base_dir)
+    return manifest_from_canonical(json.loads(text), base_dir=base_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """The member entry point: train one member, evaluate it, checkpoint it.
 
-    torchrun --nproc_per_node=1 -m pbt.worker.train manifest.yaml
-    python -m pbt.worker.train manifest.yaml [--device cpu|cuda|auto] [--output-dir DIR] [--steps N]
+    torchrun --nproc_per_node=N -m pbt.train manifest.yaml [--device cuda]
+    python -m pbt.train manifest.yaml [--device cpu|cuda|auto] [--output-dir DIR] [--steps N]
+
+(:mod:`pbt.train` is the public name of this module's :func:`main`; ``pbt train`` runs it too.)
 
 Without a manifest the built-in quickstart runs. Progress goes to stdout, one line per logged
 step, and a line explaining every step that learned nothing; every step's metrics also go to
@@ -31,9 +33,9 @@ def default_manifest_path() -> Path:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of ``python -m pbt.worker.train`` (also ``pbt train``)."""
+    """Arguments of ``python -m pbt.train`` (also ``pbt train``)."""
     parser = parser or argparse.ArgumentParser(
-        prog="python -m pbt.worker.train", description=__doc__.splitlines()[0]
+        prog="python -m pbt.train", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)"
