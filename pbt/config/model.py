@@ -7,10 +7,10 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.rules import positive
+from pbt.config.rules import Count, PositiveFloat, above_zero, bound_problems
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QuantType = Literal["nf4", "fp4"]
@@ -207,19 +207,17 @@ class ModelConfig:
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     pad_token: str | None = None
     """The padding token; default the tokenizer's own, else its EOS token."""
-    pad_token_id: int | None = None
+    pad_token_id: Count | None = None
     """Checked against the tokenizer: the id ``pad_token`` (or the default) must have."""
     quantization: QuantizationConfig | None = None
     """Load the frozen base in 4 bits (QLoRA); None trains on the base as ``dtype`` says."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = bound_problems(self, prefix)
         if not self.name.strip():
             problems.append(
                 f"{prefix}.name is empty; give a model folder, hub id or {BUILTIN_MODEL}"
             )
-        if self.pad_token_id is not None and self.pad_token_id < 0:
-            problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
         if self.quantization is not None:
             problems += self.quantization.check(f"{prefix}.quantization")
         return problems
@@ -229,9 +227,9 @@ class ModelConfig:
 class LoRAConfig:
     """The LoRA adapter that is each member's trainable state."""
 
-    r: int = 8
+    r: Annotated[int, above_zero("use a rank such as 8 or 16")] = 8
     """Adapter rank."""
-    alpha: float = 16.0
+    alpha: PositiveFloat = 16.0
     """Scaling numerator: the update is scaled by ``alpha / r``."""
     dropout: float = 0.0
     """Dropout on the adapter input; keep 0 for exactly reproducible runs."""
@@ -239,9 +237,7 @@ class LoRAConfig:
     """Module names to adapt, or ``all-linear`` for every linear layer but the output head."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.r", self.r, "use a rank such as 8 or 16")
-        positive(problems, f"{prefix}.alpha", self.alpha)
+        problems = bound_problems(self, prefix)
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"{prefix}.dropout ({self.dropout}) must be in [0, 1)")
         if isinstance(self.target_modules, list) and not self.target_modules:
@@ -255,30 +251,26 @@ class LoRAConfig:
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-5
+    lr: Annotated[float, above_zero("a LoRA run typically uses 1e-5 to 1e-3")] = 1e-5
     """Peak learning rate."""
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: PositiveFloat = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    warmup_steps: int = 0
+    warmup_steps: Count = 0
     """Optimizer steps of linear warmup from 0 to ``lr``."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Shape after warmup; ``linear`` and ``cosine`` decay to 0 at the end of training."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.lr", self.lr, "a LoRA run typically uses 1e-5 to 1e-3")
+        problems = bound_problems(self, prefix)
         if self.weight_decay < 0:
             problems.append(f"{prefix}.weight_decay ({self.weight_decay}) must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             problems.append(f"{prefix}.betas ({self.betas}) must be two values in [0, 1)")
-        positive(problems, f"{prefix}.eps", self.eps)
         if self.max_grad_norm < 0:
             problems.append(
                 f"{prefix}.max_grad_norm ({self.max_grad_norm}) must be >= 0 (0 disables)"
             )
-        if self.warmup_steps < 0:
-            problems.append(f"{prefix}.warmup_steps ({self.warmup_steps}) must be >= 0")
         return problems

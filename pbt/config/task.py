@@ -6,9 +6,9 @@ import ast
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pbt.config.rules import positive
+from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,13 +139,13 @@ class TaskConfig:
     rewards: list[RewardRef] = field(default_factory=list)
     """Several rewards, summed by their ``weight`` (each logged on its own); not with
     ``reward``."""
-    reward_timeout_s: float = 30.0
+    reward_timeout_s: Seconds = 30.0
     """Seconds one reward call (one completion, or one batch with ``batched``) may take before
     the member fails with a message naming the function."""
-    train_size: int | None = None
+    train_size: Annotated[int, above_zero("or null for every row")] | None = None
     """Training rows (at most): null takes every row of a file, and 2048 of a built-in or
     reasoning-gym task (a small built-in task may have fewer)."""
-    eval_size: int = 64
+    eval_size: PositiveInt = 64
     """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
     eval split, the same for every member)."""
 
@@ -166,11 +166,7 @@ class TaskConfig:
         return [self.reward] if self.reward is not None else list(self.rewards)
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        if self.train_size is not None:
-            positive(problems, f"{prefix}.train_size", self.train_size, "or null for every row")
-        positive(problems, f"{prefix}.eval_size", self.eval_size)
-        positive(problems, f"{prefix}.reward_timeout_s", self.reward_timeout_s)
+        problems = bound_problems(self, prefix)
         if not 0.0 < self.eval_fraction < 1.0:
             problems.append(
                 f"{prefix}.eval_fraction ({self.eval_fraction}) must be between 0 and 1 "
