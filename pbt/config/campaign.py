@@ -293,6 +293,8 @@ class LaunchConfig:
         problems = bound_problems(self, prefix)
         if self.backend == "slurm":
             problems += self.slurm.check(f"{prefix}.slurm", self)
+        else:  # unused until the backend is slurm, but no negative time waits there either
+            problems += bound_problems(self.slurm, f"{prefix}.slurm")
         if self.backend == "slurm" and self.gpu_ids is not None:
             problems.append(
                 f"{prefix}.gpu_ids ({self.gpu_ids}) is for the local backend; on Slurm the "

@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import difflib
 import math
-import reprlib
 import types
 import typing
 from importlib import resources
@@ -29,6 +28,7 @@ from pbt.config.agilerl import translate_agilerl, translate_hp_dicts
 from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
 from pbt.config.ranges import campaign_problems
+from pbt.config.rules import shown as _show
 from pbt.config.strict_yaml import MAX_BYTES, ManifestYAMLError, load_strict
 
 
@@ -305,15 +305,6 @@ def _coerce_scalar(value: Any, hint: Any, key: str, problems: list[str]) -> tupl
 INT_LIMIT = 2**63
 """Whole numbers in a manifest fit a signed 64-bit integer (seeds, sizes and counts reach torch
 and numpy as such)."""
-_REPR = reprlib.Repr()  # Python 3.11's takes no arguments
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 8, 8
-_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 60, 24, 60
-
-
-def _show(value: Any) -> str:
-    """``repr(value)`` cut to a line: a message quotes a value, never a whole structure (a
-    list of a million items, a 400-digit number)."""
-    return _REPR.repr(value)
 
 
 def _float(value: Any) -> float | None:

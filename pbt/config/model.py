@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.rules import Count, PositiveFloat, above_zero, bound_problems
+from pbt.config.rules import Count, PositiveFloat, above_zero, bound_problems, shown
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QuantType = Literal["nf4", "fp4"]
@@ -70,31 +70,46 @@ def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
     has the hub's ``name`` or ``org/name`` shape; one that looks like a path (it starts with
     ``.``, ``/`` or ``~``, or has more than one separator) is invalid.
     """
+    try:
+        return _locate(name, Path(base_dir))
+    except (OSError, ValueError) as err:  # a name no file system takes: too long, a NUL byte
+        reason = getattr(err, "strerror", None) or str(err)
+        problem = f"model.name ({shown(name)}) is not a usable path ({reason}); {_MODEL_FIX}"
+        return ModelLocation("invalid", name, Path(base_dir), problem)
+
+
+def _locate(name: str, base_dir: Path) -> ModelLocation:
     path = Path(name).expanduser()
-    path = path if path.is_absolute() else Path(base_dir) / path
+    path = path if path.is_absolute() else base_dir / path
     if name == BUILTIN_MODEL:
         return ModelLocation("builtin", name, path)
     if name.startswith("builtin:"):
         rule = f"is not a built-in model; the one built-in model is {BUILTIN_MODEL}"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}")
+        return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}")
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelLocation("folder", name, path)
         rule = f"is a folder without config.json ({path / 'config.json'} is missing)"
         fix = "give the folder that save_pretrained wrote (config.json, weights, tokenizer)"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
+        return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
     if path.exists():
         rule = f"is not a folder: {path} is a file"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     if _looks_like_path(name):
         rule = f"is not a folder: {path} does not exist"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     if not _HUB_ID.match(name):
         rule = (
             f"is neither a folder ({path} does not exist) nor a hub id (name or org/name, of "
             "letters, digits, '-', '_' and '.')"
         )
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     return ModelLocation("hub", name, path)
 
 
@@ -111,7 +126,7 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
         first = _first_line(err)
         return ConfigError(
             [
-                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
+                f"model.name ({shown(name)}): the {what} in {path} could not be loaded ({first}); "
                 "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
             ]
         )
@@ -119,7 +134,7 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
     if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
         return ConfigError(
             [
-                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
+                f"model.name ({shown(name)}) is not a model on the Hugging Face hub that this machine "
                 "may read (no such repository, or a gated or private one); check the spelling, "
                 "log in with "
                 "`hf auth login` for a gated model, or give a local folder"
@@ -127,14 +142,14 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
         )
     if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
         return PbtError(
-            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
+            f"model.name ({shown(name)}) could not be fetched: the Hugging Face hub is unreachable "
             "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
             "or download it once and give its folder"
         )
     first = _first_line(err)
     return ConfigError(
         [
-            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
+            f"model.name ({shown(name)}): the {what} fetched from the hub could not be loaded "
             f"({first}); give a causal language model with its tokenizer"
         ]
     )

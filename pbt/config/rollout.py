@@ -127,4 +127,6 @@ class RolloutConfig:
             )
         if self.engine == "vllm":
             problems += self.vllm.check(f"{prefix}.vllm")
+        else:  # unused until the engine is vllm, but its sizes are checked all the same
+            problems += bound_problems(self.vllm, f"{prefix}.vllm")
         return problems

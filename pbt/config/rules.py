@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass
@@ -59,6 +60,17 @@ PositiveInt = Annotated[int, above_zero()]
 """A count that zero would make meaningless (steps, members, slots, attempts)."""
 Count = Annotated[int, at_least_zero()]
 """A count or index where 0 means something (none, the first, disabled)."""
+
+
+_REPR = reprlib.Repr()  # Python 3.11's takes no arguments
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 8, 8
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = 60, 24, 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to a line: a message quotes a value, never a whole structure (a list
+    of a million items, a 400-digit number, a 200,000-character name)."""
+    return _REPR.repr(value)
 
 
 def bound_problems(config: object, prefix: str) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems
+from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,13 +30,15 @@ class RewardRef:
         problems: list[str] = []
         if "\0" in self.file:
             problems.append(
-                f"{prefix}.file ({self.file!r}) holds a NUL byte, which no path may; give a .py "
+                f"{prefix}.file ({shown(self.file)}) holds a NUL byte, which no path may; give a .py "
                 "path relative to the manifest's folder"
             )
         elif not self.file.endswith(".py"):
-            problems.append(f"{prefix}.file ({self.file!r}) must be a .py file")
+            problems.append(f"{prefix}.file ({shown(self.file)}) must be a .py file")
         if not self.function.isidentifier():
-            problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
+            problems.append(
+                f"{prefix}.function ({shown(self.function)}) must be a Python identifier"
+            )
         if not math.isfinite(self.weight) or self.weight == 0:
             problems.append(
                 f"{prefix}.weight ({self.weight}) must be a finite, non-zero number; 1.0 counts "
@@ -52,12 +54,12 @@ class RewardRef:
             tree = ast.parse(path.read_text(), filename=str(path))
         except OSError as err:
             return [
-                f"{prefix}.file ({self.file!r}) cannot be read ({path}: {err.strerror}); give a "
+                f"{prefix}.file ({shown(self.file)}) cannot be read ({path}: {err.strerror}); give a "
                 ".py path relative to the manifest's folder"
             ]
         except SyntaxError as err:
             return [
-                f"{prefix}.file ({self.file!r}) is not valid Python: line {err.lineno}: "
+                f"{prefix}.file ({shown(self.file)}) is not valid Python: line {err.lineno}: "
                 f"{err.msg}; fix the file"
             ]
         defined = [
@@ -74,7 +76,7 @@ class RewardRef:
         if self.function not in defined:
             found = ", ".join(defined) or "nothing"
             return [
-                f"{prefix}.function ({self.function!r}) is not defined at the top level of "
+                f"{prefix}.function ({shown(self.function)}) is not defined at the top level of "
                 f"{self.file}; it defines: {found}"
             ]
         return []
@@ -193,27 +195,27 @@ class TaskConfig:
         name = self.name
         if self.train is not None and name is not None and not name.startswith("builtin:"):
             return [
-                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                f"{prefix}.name ({shown(name)}) and {prefix}.train ({shown(self.train)}) both name the rows; "
                 "give train for your own data, or name for a built-in task"
             ]
         if self.train is not None and name is not None:
             return [
-                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                f"{prefix}.name ({shown(name)}) and {prefix}.train ({shown(self.train)}) both name the rows; "
                 "remove name to train on your file"
             ]
         if self.train is None and self.eval is not None:
             return [
-                f"{prefix}.eval ({self.eval!r}) needs {prefix}.train: held-out rows of your own "
+                f"{prefix}.eval ({shown(self.eval)}) needs {prefix}.train: held-out rows of your own "
                 "data go with training rows of your own; add train or remove eval"
             ]
         if name is not None and name == REASONING_GYM_PREFIX:
             return [
-                f"{prefix}.name ({name!r}) names no dataset; write "
+                f"{prefix}.name ({shown(name)}) names no dataset; write "
                 "reasoning_gym:<dataset>, e.g. reasoning_gym:basic_arithmetic"
             ]
         for key in ("train", "eval"):
             value = getattr(self, key)
             if value is not None and (not value or "\0" in value):
-                problems = f"{prefix}.{key} ({value!r}) is not a path"
+                problems = f"{prefix}.{key} ({shown(value)}) is not a path"
                 return [f"{problems}; give a file or folder relative to the manifest's folder"]
         return []
