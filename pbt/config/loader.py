@@ -29,7 +29,7 @@ from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
 from pbt.config.ranges import campaign_problems
 from pbt.config.rules import shown as _show
-from pbt.config.strict_yaml import MAX_BYTES, ManifestYAMLError, load_strict
+from pbt.config.strict_yaml import MAX_BYTES, NO_DOCUMENT, ManifestYAMLError, load_strict
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +60,7 @@ def read_manifest_file(path: str | Path) -> ManifestFile:
         raise ConfigError([_yaml_problem(err)], str(path)) from None
     except ManifestYAMLError as err:
         raise ConfigError([str(err)], str(path)) from None
-    if sections is None:
+    if sections is NO_DOCUMENT:
         raise ConfigError([_empty_problem(path, text)], str(path))
     if not isinstance(sections, dict):
         raise ConfigError(
@@ -233,6 +233,7 @@ def _fix_hint(field: dataclasses.Field, hint: Any, value: Any) -> str:
     if typing.get_origin(hint) is Literal:
         choices = [str(a) for a in typing.get_args(hint)]
         close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+        close = close or [c for c in choices if c.lower() == str(value).lower()]
         return f"; did you mean {close[0]!r}?" if close else ""
     default = field.default
     if isinstance(default, (bool, int, float, str)):

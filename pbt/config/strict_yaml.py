@@ -35,6 +35,10 @@ MAX_BYTES = 256 << 10
 parses some 50 KB a second on a busy machine: the bound keeps ``pbt check`` within seconds."""
 
 
+NO_DOCUMENT = object()
+"""What :func:`load_strict` returns for a text without a YAML document (empty, or comments)."""
+
+
 class ManifestYAMLError(ValueError):
     """A YAML document that parses but breaks one of :class:`StrictLoader`'s rules; its message
     is one line: where, what, and the fix."""
@@ -80,8 +84,8 @@ def _too_deep(mark: yaml.Mark) -> str:
 
 
 def load_strict(text: str) -> Any:
-    """The one YAML document in ``text``, built with :class:`StrictLoader`; None when ``text``
-    holds no document (empty, or only comments).
+    """The one YAML document in ``text``, built with :class:`StrictLoader`;
+    :data:`NO_DOCUMENT` when ``text`` holds none (empty, or only comments).
 
     Raises:
         yaml.YAMLError: not valid YAML (PyYAML's error, with its marks).
@@ -91,7 +95,7 @@ def load_strict(text: str) -> Any:
     try:
         node = loader.get_single_node()
         if node is None:
-            return None
+            return NO_DOCUMENT
         _measure(node)
         _check_duplicates(node)
         return loader.construct_document(node)
