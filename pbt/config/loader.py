@@ -251,6 +251,10 @@ def _coerce(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool,
         sections = [a for a in args if dataclasses.is_dataclass(a)]
         if isinstance(value, dict) and len(sections) == 1:  # a section that may be null
             return _coerce(value, sections[0], key, problems)
+        if float in args and not isinstance(value, bool):  # say why a number is refused
+            number = _float(value)
+            if number is not None and not math.isfinite(number):
+                return _coerce_scalar(value, float, key, problems)
         for arg in (a for a in args if a is not type(None)):
             scratch: list[str] = []
             ok, converted = _coerce(value, arg, key, scratch)

@@ -35,9 +35,8 @@ class Bound:
         holds = finite and (value > self.low if self.strict else value >= self.low)
         if holds:
             return None
-        rule = f"must be {'>' if self.strict else '>='} {self.low:g}"
-        if not finite:
-            rule = f"must be a finite number {rule[5:]}"
+        bound = f"{'>' if self.strict else '>='} {self.low:g}"
+        rule = f"must be a finite number {bound}" if not finite else f"must be {bound}"
         return f"{key} ({value}) {rule}{'; ' + self.fix if self.fix else ''}"
 
 
