@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import random
 import subprocess
 import sys
@@ -319,14 +318,12 @@ SUBPROCESS_CASES = (
 @pytest.mark.integration
 def test_the_pbt_command_refuses_them_the_same_way(folder: Path) -> None:
     paths = {name: _path(folder, name, CASES[name][0]) for name in SUBPROCESS_CASES}
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     procs = {
         name: subprocess.Popen(
             [sys.executable, "-m", "pbt.cli", "check", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
         )
         for name, path in paths.items()
     }
