@@ -46,6 +46,9 @@ RewardFn = Callable[[str, Any, str], float]
 T = TypeVar("T")
 SIGNATURE = "(completion, answer, question) -> float"
 BATCHED_SIGNATURE = "(completions, answers, questions) -> list of floats"
+IMPORT_TIMEOUTS = 10
+"""A reward file's top level may run for this many ``task.reward_timeout_s`` (it may load a
+judge); past it, the import is taken for a hang."""
 EXCERPT_CHARS = 80
 """How much of a completion a reward error quotes."""
 SIGNAL_HINT = (
@@ -322,7 +325,7 @@ def load_reward_fn(
     ref: RewardRef, base_dir: str | Path, key: str = "task.reward", timeout_s: float = 30.0
 ) -> RewardFn:
     """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``; the import limited to
-    ``timeout_s``) and check its signature; a rubric there (AgileRL's ``rubric_name``,
+    :data:`IMPORT_TIMEOUTS` times ``timeout_s``, the time of one call) and check its signature; a rubric there (AgileRL's ``rubric_name``,
     :mod:`pbt.algorithms.rubrics`) scores through one.
 
     Raises:
@@ -364,7 +367,7 @@ def load_reward_fn(
 
 def _import_file(ref: RewardRef, base_dir: str | Path, key: str, timeout_s: float) -> Any:
     """The module of ``ref.file``, executed in a guard thread: an import that raises, exits or
-    runs past ``timeout_s`` is a :class:`ConfigError`."""
+    runs past :data:`IMPORT_TIMEOUTS` times ``timeout_s`` is a :class:`ConfigError`."""
     path = (Path(base_dir) / ref.file).resolve()
     if not path.is_file():
         raise ConfigError([f"{key}.file ({ref.file!r}) not found at {path}; check the path"])
@@ -372,12 +375,13 @@ def _import_file(ref: RewardRef, base_dir: str | Path, key: str, timeout_s: floa
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     try:
-        _Runner().call(spec.loader.exec_module, (module,), timeout_s)
+        _Runner().call(spec.loader.exec_module, (module,), IMPORT_TIMEOUTS * timeout_s)
     except _Hung:
         raise ConfigError(
             [
-                f"{key}.file ({ref.file!r}) took longer than task.reward_timeout_s "
-                f"({timeout_s:g} s) to import; move slow work out of the module's top level"
+                f"{key}.file ({ref.file!r}) took longer than {IMPORT_TIMEOUTS} x "
+                f"task.reward_timeout_s ({IMPORT_TIMEOUTS * timeout_s:g} s) to import; move slow "
+                "work out of the module's top level, or raise task.reward_timeout_s"
             ]
         ) from None
     except (Exception, SystemExit) as err:

@@ -223,7 +223,7 @@ CASES: dict[str, Case] = {
     ),
     "reward file exits on import": (_reward("f", file="exits.py"), "failed to import: SystemExit"),
     "reward file hangs on import": (
-        _reward("f", file="sleeps.py") + "  reward_timeout_s: 1\n", "to import; move slow work",
+        _reward("f", file="sleeps.py") + "  reward_timeout_s: 0.1\n", "(1 s) to import; move",
     ),
     "one bad reward among several": (
         "task:\n  name: builtin:letters\n  rewards:\n    - {file: rewards.py, function: good}\n"
