@@ -362,6 +362,23 @@ def check_rows(cfg: TaskConfig, base_dir: str | Path, algorithm: str) -> list[st
     return problems
 
 
+def first_row(cfg: TaskConfig, base_dir: str | Path) -> Row | None:
+    """The first row of ``task.train`` (a file or ``save_to_disk`` folder), read as
+    :func:`preview_fields` reads; None for a hub dataset or rows that cannot be read (which
+    :func:`check_rows` reports)."""
+    if cfg.train is None or cfg.train.startswith(HUB_PREFIX):
+        return None
+    path = Path(base_dir) / cfg.train
+    try:
+        if path.is_dir():
+            table = _open_folder(path, "task.train")
+            return table[0] if len(table) else None
+        with quiet():
+            return next(iter(_open_file(path, "task.train", streaming=True).take(1)), None)
+    except Exception:  # reported by check_rows, which reads the same rows
+        return None
+
+
 def preview_fields(path: Path, where: str) -> list[str]:
     """The fields of the first rows of a file or ``save_to_disk`` folder, reading no more of a
     file than its first :data:`PREVIEW_ROWS` rows.

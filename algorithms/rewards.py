@@ -10,9 +10,15 @@ weighted sum and each term's raw values, which are logged as ``reward/<name>``.
 Every call is guarded: one that raises, runs past ``task.reward_timeout_s``, or returns anything
 but a finite ``int`` or ``float`` (None, NaN, inf, a bool, a string even if it reads as a
 number, a list of the wrong length) raises :class:`~pbt.config.errors.RewardError`, one line that
-names the function, the row and what it returned. Nothing is silently counted as 0. A call runs
-in a daemon thread so that the caller can stop waiting for one that hangs: the thread cannot be
-killed, but it keeps neither the member nor its process from ending.
+names the function, the row and what it returned. Nothing is silently counted as 0. A call that
+raised or returned a bad value is made once more on the same input first: when that fails too,
+the error is ``reproduced`` and a campaign does not retry the member (it would fail the same
+way); when it succeeds, its value counts. A call runs in a daemon thread so that the caller can
+stop waiting for one that hangs: the thread cannot be killed, but it keeps neither the member nor
+its process from ending. The user's file is imported in such a thread too, within the same time.
+
+:func:`check_reward_terms` is ``pbt check``'s look at the user's rewards: each loads, takes
+``(completion, answer, question)``, and one call on a sample row returns a finite number.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +43,12 @@ from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError, RewardError
 
 RewardFn = Callable[[str, Any, str], float]
+T = TypeVar("T")
+SIGNATURE = "(completion, answer, question) -> float"
+BATCHED_SIGNATURE = "(completions, answers, questions) -> list of floats"
+IMPORT_TIMEOUTS = 10
+"""A reward file's top level may run for this many ``task.reward_timeout_s`` (it may load a
+judge); past it, the import is taken for a hang."""
 EXCERPT_CHARS = 80
 """How much of a completion a reward error quotes."""
 SIGNAL_HINT = (
@@ -111,11 +123,25 @@ class Reward:
             total += term.weight * parts[term.name]
         return total, parts
 
+    def probe(self, row: Row, completion: str) -> list[str]:
+        """Each term called once on ``row`` and ``completion`` (``pbt check``): one problem
+        (the :class:`RewardError`'s line) for each term that fails."""
+        problems = []
+        for term in self.terms:
+            try:
+                self._score_term(term, [row], [completion])
+            except RewardError as err:
+                problems.append(str(err))
+        return problems
+
     def _score_term(self, term: RewardTerm, rows: Sequence[Row], texts: Sequence[str]) -> Tensor:
         if term.batched:
-            values = self._batched(term, rows, texts)
+            values = _confirmed(lambda: self._batched(term, rows, texts))
         else:
-            values = [self._single(term, row, text) for row, text in zip(rows, texts, strict=True)]
+            values = [
+                _confirmed(lambda row=row, text=text: self._single(term, row, text))
+                for row, text in zip(rows, texts, strict=True)
+            ]
         return torch.tensor(values, dtype=torch.float32)
 
     def _single(self, term: RewardTerm, row: Row, text: str) -> float:
@@ -149,7 +175,8 @@ class Reward:
         except _Hung:
             raise RewardError(
                 f"reward {term.source} took longer than task.reward_timeout_s "
-                f"({self.timeout_s:g} s) {where}; make it faster, or raise task.reward_timeout_s"
+                f"({self.timeout_s:g} s) {where}; make it faster, or raise task.reward_timeout_s",
+                reproduced=False,
             ) from None
         except Exception as err:
             hint = SIGNAL_HINT if "main thread" in str(err) else ""
@@ -157,6 +184,18 @@ class Reward:
                 f"reward {term.source} raised {type(err).__name__}: {_one_line(err)} {where}"
                 f"{hint}; fix the function"
             ) from err
+
+
+def _confirmed(score: Callable[[], T]) -> T:
+    """``score()``, made once more when it fails with a :class:`RewardError` that is not a
+    timeout (a timeout is not waited for twice): the second failure is raised (reproduced, the
+    same input failing twice), or the second value returned."""
+    try:
+        return score()
+    except RewardError as err:
+        if not err.reproduced:
+            raise
+    return score()
 
 
 class _Hung(Exception):
@@ -262,7 +301,7 @@ def build_reward(cfg: TaskConfig, base_dir: str | Path, default: RewardTerm | No
         RewardTerm(
             name,
             f"{ref.file}:{ref.function}",
-            load_reward_fn(ref, base_dir, key),
+            load_reward_fn(ref, base_dir, key, cfg.reward_timeout_s),
             ref.weight,
             ref.batched,
         )
@@ -282,14 +321,53 @@ def _term_names(refs: Sequence[RewardRef]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
 
-def load_reward_fn(ref: RewardRef, base_dir: str | Path, key: str = "task.reward") -> RewardFn:
-    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``) and check its signature;
-    a rubric there (AgileRL's ``rubric_name``, :mod:`pbt.algorithms.rubrics`) scores through one.
+def load_reward_fn(
+    ref: RewardRef, base_dir: str | Path, key: str = "task.reward", timeout_s: float = 30.0
+) -> RewardFn:
+    """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``; the import limited to
+    :data:`IMPORT_TIMEOUTS` times ``timeout_s``, the time of one call) and check its signature; a rubric there (AgileRL's ``rubric_name``,
+    :mod:`pbt.algorithms.rubrics`) scores through one.
 
     Raises:
-        ConfigError: missing file, import failure, missing or non-callable function, or a
-            function that cannot take ``(completion, answer, question)``.
+        ConfigError: one line naming ``file:function`` for a missing file, an import that fails
+            or hangs, a missing or non-callable name, or a function that cannot be called with
+            ``(completion, answer, question)`` (the lists, when ``batched``) by position.
     """
+    module = _import_file(ref, base_dir, key, timeout_s)
+    where = f"{key}.function ({ref.file}:{ref.function})"
+    if not hasattr(module, ref.function):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ConfigError([f"{where} is not defined in {ref.file}; its functions: {names}"])
+    fn = getattr(module, ref.function)
+    if is_rubric(fn):
+        if ref.batched:
+            problem = f"{key}.batched (true): {ref.function!r} is a rubric, which scores one "
+            raise ConfigError([problem + "completion at a time; set batched: false"])
+        return rubric_reward(fn, key)
+    expected = BATCHED_SIGNATURE if ref.batched else SIGNATURE
+    if not callable(fn):
+        raise ConfigError(
+            [f"{where} is {_show(fn)}, not a function; define def {ref.function}{expected}"]
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+        return fn
+    try:
+        signature.bind("completion", "answer", "question")
+    except TypeError:
+        raise ConfigError(
+            [
+                f"{where} must take {expected.split(' ->')[0]} by position, but its signature "
+                f"is {signature}; define def {ref.function}{expected}"
+            ]
+        ) from None
+    return fn
+
+
+def _import_file(ref: RewardRef, base_dir: str | Path, key: str, timeout_s: float) -> Any:
+    """The module of ``ref.file``, executed in a guard thread: an import that raises, exits or
+    runs past :data:`IMPORT_TIMEOUTS` times ``timeout_s`` is a :class:`ConfigError`."""
     path = (Path(base_dir) / ref.file).resolve()
     if not path.is_file():
         raise ConfigError([f"{key}.file ({ref.file!r}) not found at {path}; check the path"])
@@ -297,30 +375,58 @@ def load_reward_fn(ref: RewardRef, base_dir: str | Path, key: str = "task.reward
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise ConfigError([f"{key}.file ({ref.file!r}) failed to import: {err!r}"]) from None
-    fn = getattr(module, ref.function, None)
-    if is_rubric(fn):
-        if ref.batched:
-            problem = f"{key}.batched (true): {ref.function!r} is a rubric, which scores one "
-            raise ConfigError([problem + "completion at a time; set batched: false"])
-        return rubric_reward(fn, key)
-    if not callable(fn):
-        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ConfigError(
-            [f"{key}.function ({ref.function!r}) is not a function in {ref.file}; found: {names}"]
-        )
-    try:
-        inspect.signature(fn).bind("completion", "answer", "question")
-    except TypeError:
-        takes = (
-            "(completions, answers, questions)" if ref.batched else "(completion, answer, question)"
-        )
+        _Runner().call(spec.loader.exec_module, (module,), IMPORT_TIMEOUTS * timeout_s)
+    except _Hung:
         raise ConfigError(
             [
-                f"{key}.function ({ref.function!r}) must accept {takes}; its signature is "
-                f"{inspect.signature(fn)}"
+                f"{key}.file ({ref.file!r}) took longer than {IMPORT_TIMEOUTS} x "
+                f"task.reward_timeout_s ({IMPORT_TIMEOUTS * timeout_s:g} s) to import; move slow "
+                "work out of the module's top level, or raise task.reward_timeout_s"
             ]
         ) from None
-    return fn
+    except (Exception, SystemExit) as err:
+        raise ConfigError(
+            [f"{key}.file ({ref.file!r}) failed to import: {_one_line_repr(err)}; fix the file"]
+        ) from None
+    return module
+
+
+def _one_line_repr(err: BaseException) -> str:
+    return " ".join(repr(err).split())
+
+
+# -- pbt check -------------------------------------------------------------------------------
+
+
+def check_reward_terms(cfg: TaskConfig, base_dir: str | Path, row: Row | None) -> list[str]:
+    """``pbt check``'s look at the user's rewards (``task.reward`` or ``task.rewards``): each
+    loads (:func:`load_reward_fn`), and, given a sample ``row``, one call with the row's answer
+    as the completion returns a finite number. Runs the user's code, guarded as a member runs
+    it; one problem per reward that fails, naming its key and ``file:function``."""
+    refs = cfg.reward_refs()
+    keys = (
+        ["task.reward"]
+        if cfg.reward is not None
+        else [f"task.rewards[{i}]" for i in range(len(refs))]
+    )
+    problems: list[str] = []
+    terms: list[tuple[str, RewardTerm]] = []
+    for ref, key, name in zip(refs, keys, _term_names(refs), strict=True):
+        try:
+            fn = load_reward_fn(ref, base_dir, key, cfg.reward_timeout_s)
+        except ConfigError as err:
+            problems += err.problems
+            continue
+        source = f"{ref.file}:{ref.function}"
+        terms.append((key, RewardTerm(name, source, fn, ref.weight, ref.batched)))
+    if row is None:
+        return problems
+    completion = row.answer if isinstance(row.answer, str) else str(row.answer)
+    for key, term in terms:
+        for problem in Reward([term], cfg.reward_timeout_s).probe(row, completion):
+            expected = BATCHED_SIGNATURE if term.batched else SIGNATURE
+            problems.append(
+                f"{key}: {problem} (pbt check called it on the first training row, with the "
+                f"row's answer as the completion; a reward is {term.source}{expected})"
+            )
+    return problems

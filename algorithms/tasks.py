@@ -33,8 +33,14 @@ from pbt.algorithms.builtin.letters import (
 from pbt.algorithms.data_fields import check_template, rl_example
 from pbt.algorithms.examples import Example
 from pbt.algorithms.reasoning_gym import reasoning_gym_split
-from pbt.algorithms.rewards import Reward, RewardFn, RewardTerm, build_reward
-from pbt.config import TaskConfig
+from pbt.algorithms.rewards import (
+    Reward,
+    RewardFn,
+    RewardTerm,
+    build_reward,
+    check_reward_terms,
+)
+from pbt.config import RL_ALGORITHMS, TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.task import REASONING_GYM_PREFIX
 
@@ -75,6 +81,30 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
     if cfg.system_prompt is None and cfg.prompt_template is None and cfg.assistant_prefill is None:
         return task
     return replace(task, train=_dress(task.train, cfg), eval=_dress(task.eval, cfg))
+
+
+def check_rewards(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: str) -> list[str]:
+    """``pbt check``: the user's rewards load, take ``(completion, answer, question)``, and
+    score the task's first training row (its answer as the completion) with a finite number
+    (:func:`pbt.algorithms.rewards.check_reward_terms`); one problem per reward that fails."""
+    if algorithm not in RL_ALGORITHMS or not cfg.reward_refs():
+        return []
+    return check_reward_terms(cfg, base_dir, _sample_row(cfg, base_dir, seed))
+
+
+def _sample_row(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Example | None:
+    """The first training row as a member sees it; None when there is none to read (a problem
+    that :func:`pbt.algorithms.data.check_rows` or the member reports)."""
+    try:
+        if cfg.train is not None:
+            from pbt.algorithms.data import first_row
+
+            row = first_row(cfg, base_dir)
+            return None if row is None else rl_example(cfg)(row)
+        task = load_task(replace(cfg, reward=None, rewards=[]), base_dir, seed)  # no user code
+    except (ConfigError, KeyError):
+        return None
+    return task.train[0] if len(task.train) else None
 
 
 def _file_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:

@@ -154,6 +154,19 @@ CASES: dict[str, tuple[dict, str, str, str]] = {
         {"task": {"reward": {"file": "rewards\0.py", "function": "f"}}},
         "task.reward.file", "'rewards\\x00.py'", "holds a NUL byte",
     ),
+    "lr NaN": ({"optim": {"lr": float("nan")}}, "optim.lr", "(nan)", "not NaN or infinity"),
+    "dual clip infinite": (
+        {"algorithm": {"dual_clip": float("inf")}}, "algorithm.dual_clip", "(inf)", "finite",
+    ),
+    "negative task timeout": (
+        {"launch": {"task_timeout_s": -1}}, "launch.task_timeout_s", "(-1.0)", "must be > 0",
+    ),
+    "seed past 64 bits": (
+        {"training": {"seed": 2**64}}, "training.seed", "1844674", "below 2**63",
+    ),
+    "INIT_HP lr infinite": (
+        {"INIT_HP": {"LR": float("-inf")}}, "optim.lr", "(-inf)", "not NaN or infinity",
+    ),
     "memory limit too low": (
         {"launch": {"memory_limit_gib": 0.1}}, "launch.memory_limit_gib", "(0.1)",
         "leave it unset for no limit",

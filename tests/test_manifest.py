@@ -153,3 +153,60 @@ def test_campaign_sections_are_checked():
         "launch.slots (0) must be > 0",
     ):
         assert any(text in p for p in problems), (text, problems)
+
+
+# -- numbers and YAML, read strictly -----------------------------------------------------------
+
+
+def test_anchors_aliases_and_merge_keys_that_repeat_a_value_are_read(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(
+        "optim: &optim\n  lr: &lr 2.0e-4\n  weight_decay: 0.01\n"
+        "mutation:\n  ranges:\n    lr: {min: 1.0e-5, max: *lr}\n"
+        "rollout:\n  <<: {temperature: 0.7, top_k: 5}\n  temperature: 0.9\n"  # merged, overridden
+    )
+    manifest = load_manifest(path)
+    assert manifest.optim.lr == 2.0e-4 and manifest.mutation.ranges["lr"]["max"] == 2.0e-4
+    assert (manifest.rollout.temperature, manifest.rollout.top_k) == (0.9, 5)
+
+
+def test_bounds_hold_for_configs_built_in_python_too():
+    from pbt.config.campaign import LaunchConfig
+    from pbt.config.training import TrainingConfig
+
+    assert LaunchConfig(task_timeout_s=-1.0).check("launch") == [
+        "launch.task_timeout_s (-1.0) must be > 0"
+    ]
+    assert LaunchConfig(heartbeat_timeout_s=float("nan")).check("launch") == [
+        "launch.heartbeat_timeout_s (nan) must be a finite number > 0"
+    ]
+    assert TrainingConfig(steps=0, seed=-1).check("training") == [
+        "training.steps (0) must be > 0",
+        "training.seed (-1) must be >= 0",
+    ]
+    assert LaunchConfig(gpu_ids=[0, -2]).check("launch") == ["launch.gpu_ids[1] (-2) must be >= 0"]
+
+
+def test_every_float_field_refuses_nan_and_infinities():
+    """Each float field of every section, given NaN: one problem naming it."""
+    import dataclasses
+    import typing
+
+    from pbt.config.manifest import SECTIONS, Manifest
+
+    hints = typing.get_type_hints(Manifest)
+    checked = 0
+    for section in SECTIONS:
+        cls = hints[section]
+        for name, hint in typing.get_type_hints(cls).items():
+            if typing.get_origin(hint) is list or float not in (hint, *typing.get_args(hint)):
+                continue
+            if name not in {f.name for f in dataclasses.fields(cls) if f.init}:
+                continue
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                problems = _problems({section: {name: bad}})
+                assert problems[0].startswith(f"{section}.{name} ({bad}) must be a finite"), (
+                    problems
+                )
+            checked += 1
+    assert checked >= 30, checked

@@ -314,3 +314,85 @@ def test_pbt_train_stops_on_a_reward_that_returns_none_with_one_line(folder):
     assert len(errors) == 1, done.stderr
     (line,) = errors
     assert line.startswith("error: reward rewards.py:none returned None (NoneType) for question")
+
+
+# -- an error the same input reproduces ------------------------------------------------------
+
+
+FLAKY_PY = """
+calls = []
+
+def flaky(completion, answer, question):
+    calls.append(completion)
+    if len(calls) == 1:
+        raise ConnectionError("the judge is busy")
+    return 0.5
+"""
+
+
+def test_a_failed_call_is_made_once_more_and_a_second_failure_is_reproduced(folder):
+    (folder / "flaky.py").write_text(FLAKY_PY)
+    flaky = build_reward(
+        TaskConfig(reward=RewardRef(file="flaky.py", function="flaky")), folder, None
+    )
+    total, _ = flaky(ROWS[:1], COMPLETIONS[:1])  # the second call's value counts
+    assert total.tolist() == [0.5] and flaky.terms[0].fn.__globals__["calls"] == ["5", "5"]
+    with pytest.raises(RewardError) as err:
+        _reward(folder, "none")(ROWS, COMPLETIONS)
+    assert err.value.reproduced and faults.classify(err.value) == "reward_error"
+    assert "reward_error" in faults.NOT_RETRIED and "config_error" in faults.NOT_RETRIED
+
+
+def test_a_timeout_is_not_repeated_and_is_retried_by_a_campaign(folder):
+    started = time.perf_counter()
+    with pytest.raises(RewardError) as err:
+        _reward(folder, "hangs", timeout_s=0.5)(ROWS[:1], COMPLETIONS[:1])
+    assert time.perf_counter() - started < 1.4  # waited once, not twice
+    assert not err.value.reproduced and faults.classify(err.value) is None
+
+
+@pytest.mark.integration
+def test_a_campaign_replaces_a_member_whose_reward_returns_none_without_retrying(folder):
+    """g000-m01 scores a row with the manifest's reward (the real Reward, in the fake member):
+    it returns None, twice on the same input; the member fails once, is replaced by a clone at
+    once, and the campaign finishes."""
+    import json
+
+    from pbt.controller.campaign import Campaign
+    from pbt.controller.store import CampaignStore
+
+    fake = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
+    manifest = write_manifest(
+        folder / "m.yaml",
+        {
+            "task": {
+                "name": "builtin:letters",
+                "reward": {"file": "rewards.py", "function": "none"},
+            },
+            "population": {"size": 3, "evo_steps": 2},
+            "budget": {"generations": 2},
+            "launch": {"slots": 3, "max_attempts": 3, "persistent_workers": False},
+            "tracking": {"enabled": False},
+        },
+    )
+    directory = folder / "c"
+    campaign = Campaign.start(manifest, directory, member_command=fake)
+    (directory / "faults.json").write_text(json.dumps({"g000-m01": ["reward"]}))
+    said: list[str] = []
+    campaign.say = said.append
+    started = time.perf_counter()
+    try:
+        summary = campaign.run()
+    finally:
+        campaign.close()
+    elapsed = time.perf_counter() - started
+    logs = sorted(p.name for p in (directory / "logs").glob("g000-m01.*"))
+    assert logs == ["g000-m01.attempt1.log"], (logs, said)  # one attempt of three
+    with CampaignStore(directory / "store.db") as store:
+        kinds = [(f["member_id"], f["kind"]) for f in store.faults()]
+        member = next(m for m in store.members() if m.member_id == "g000-m01")
+    assert ("g000-m01", "reward_error") in kinds and ("g000-m01", "replaced") in kinds, kinds
+    assert member.mutation.startswith("replaced by a clone of"), member.mutation
+    line = next(s for s in said if "g000-m01 reward_error" in s)
+    assert "rewards.py:none returned None (NoneType)" in line and "replacing" in line, said
+    assert summary.generations == 2 and elapsed < 60, (summary, elapsed)

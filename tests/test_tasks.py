@@ -49,8 +49,12 @@ def test_user_reward_is_loaded_from_the_named_file(tmp_path):
     ("source", "function", "message"),
     [
         (None, "f", "not found"),
-        ("def f(completion):\n    return 0.0\n", "f", "must accept (completion, answer, question)"),
-        ("def g(c, a, q):\n    return 0.0\n", "f", "is not a function in rewards.py; found: ['g']"),
+        ("def f(completion):\n    return 0.0\n", "f", "take (completion, answer, question) by"),
+        (
+            "def g(c, a, q):\n    return 0.0\n",
+            "f",
+            "is not defined in rewards.py; its functions: ['g']",
+        ),
         ("raise RuntimeError('boom')\n", "f", "failed to import"),
     ],
 )

@@ -51,6 +51,7 @@ def _check(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     if manifest.task.train is not None:
         _check_rows(manifest)
+    _check_rewards(manifest)
     if args.resolved:
         print(resolved_yaml(manifest), end="")
     _print_notes(manifest)
@@ -77,6 +78,23 @@ def _check_rows(manifest: Manifest) -> None:
     from pbt.algorithms.data import check_rows
 
     problems = check_rows(manifest.task, manifest.base_dir, manifest.algorithm.name)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_rewards(manifest: Manifest) -> None:
+    """The user's rewards load and score the first training row with a finite number (their
+    code runs here; torch is imported only for a manifest with rewards of its own).
+
+    Raises:
+        ConfigError: every problem found, together.
+    """
+    if not manifest.task.reward_refs():
+        return
+    from pbt.algorithms.tasks import check_rewards
+
+    task, seed = manifest.task, manifest.training.seed
+    problems = check_rewards(task, manifest.base_dir, seed, manifest.algorithm.name)
     if problems:
         raise ConfigError(problems)
 

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pbt.config.rules import positive
+from pbt.config.rules import (
+    Count,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    above_zero,
+    at_least_zero,
+    bound_problems,
+)
 
 MUTABLE_HYPERPARAMETERS: dict[str, str] = {
     "lr": "optim",
@@ -75,18 +83,18 @@ class AlgorithmConfig:
     ``gspo`` (sequence-level ratio; its paper uses clip ranges near 3e-4)."""
     baseline: Literal["group_mean", "rloo"] = "group_mean"
     """REINFORCE's baseline: the group's mean reward, or leave-one-out (RLOO)."""
-    overlong_buffer: int = 0
+    overlong_buffer: Count = 0
     """GRPO/REINFORCE: completions within this many tokens of ``max_output_tokens`` lose reward
     linearly, down to ``-overlong_penalty`` at the limit (DAPO's soft overlong punishment);
     0 disables."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: NonNegativeFloat = 1.0
     dynamic_sampling: bool = False
     """GRPO/REINFORCE: drop groups whose rewards are all equal and sample more prompts until
     the batch is full (DAPO), at most ``max_resamples`` extra rounds a step."""
-    max_resamples: int = 4
+    max_resamples: Count = 4
     group_size: int = 8
     """Completions sampled per prompt; advantages are relative within each group."""
-    prompts_per_step: int = 4
+    prompts_per_step: PositiveInt = 4
     """Prompts per training step (each repeated ``group_size`` times)."""
     beta: float = 0.0
     """KL penalty coefficient against the reference (adapter disabled); 0 skips the reference pass."""
@@ -102,22 +110,22 @@ class AlgorithmConfig:
     loss_aggregation: Literal["token-mean", "sequence-mean"] = "token-mean"
     """``token-mean`` averages over every token of the mini-batch; ``sequence-mean`` averages
     each sequence's tokens, then the sequences."""
-    update_epochs: int = 1
+    update_epochs: PositiveInt = 1
     """Passes over each rollout batch."""
     mini_batch_size: int | None = None
     """Completions per optimizer step; default: the whole rollout batch."""
     micro_batch_size: int | None = None
     """Completions per forward/backward (gradient accumulation); default: the mini-batch."""
-    advantage_eps: float = 1e-4
+    advantage_eps: PositiveFloat = 1e-4
     """Added to the group standard deviation before dividing."""
     advantage_norm: Literal["mean_std", "mean_only"] | None = None
     """GRPO's group advantages: ``mean_std`` ``(r - mean) / (std + eps)``, or ``mean_only``
     ``r - mean`` (AgileRL's ``ADV_NORM``); null: the objective's own, ``mean_std`` for
     ``grpo``, ``dapo``, ``cispo`` and ``gspo``. ``dr_grpo`` and REINFORCE are mean-only by
     definition and refuse ``mean_std``."""
-    vf_coef: float = 0.5
+    vf_coef: Annotated[float, at_least_zero("0.5 is usual")] = 0.5
     """PPO: weight of the value (critic) loss added to the policy loss."""
-    value_clip: float = 0.2
+    value_clip: Annotated[float, above_zero("0.2 is usual")] = 0.2
     """PPO: new values are kept within ``value_clip`` of the values at rollout time in the
     clipped value loss."""
     gamma: float = 1.0
@@ -129,10 +137,14 @@ class AlgorithmConfig:
     (verl's dual clip, ``clip_ratio_c``), so a token whose ratio exploded cannot dominate the
     update; must be > 1 (3.0 is usual); null disables it. Not for ``cispo`` or REINFORCE, whose
     loss has no unbounded ratio."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: Annotated[
+        int, above_zero("3 is usual; a larger value tolerates more skipped steps in a row")
+    ] = 3
     """Optimizer steps in a row whose loss or gradient is NaN or inf before the member fails as
     ``diverged``; each such step is skipped (no update) and counted in ``nonfinite_steps``."""
-    collapse_patience: int | None = 20
+    collapse_patience: (
+        Annotated[int, above_zero("or null to never end a member for lack of signal")] | None
+    ) = 20
     """GRPO/REINFORCE/PPO: training steps in a row in which every group got identical rewards
     (no signal, nothing learned) before the member's task ends early as ``collapsed``, with its
     fitness measured, so selection replaces it; null never ends it."""
@@ -165,7 +177,7 @@ class AlgorithmConfig:
         return self.check(prefix) + self.world_problems(ranks, prefix)
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = bound_problems(self, prefix)
         if self.name == "DPO" and self.beta <= 0:
             problems.append(
                 f"{prefix}.beta ({self.beta}) must be > 0 for DPO: it scales the implicit "
@@ -176,26 +188,9 @@ class AlgorithmConfig:
                 f"{prefix}.update_epochs ({self.update_epochs}) must be 1 for REINFORCE, which "
                 "is on-policy (no importance ratio); use GRPO for several passes"
             )
-        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
-            problems.append(
-                f"{prefix}.overlong_buffer ({self.overlong_buffer}) and overlong_penalty "
-                f"({self.overlong_penalty}) must be >= 0; 0 disables the penalty"
-            )
-        if self.collapse_patience is not None:
-            positive(
-                problems, f"{prefix}.collapse_patience", self.collapse_patience,
-                "or null to never end a member for lack of signal",
-            )  # fmt: skip
-        if self.max_resamples < 0:
-            problems.append(f"{prefix}.max_resamples ({self.max_resamples}) must be >= 0")
-        positive(
-            problems, f"{prefix}.max_nonfinite_steps", self.max_nonfinite_steps,
-            "3 is usual; a larger value tolerates more skipped steps in a row",
-        )  # fmt: skip
         problems += self._check_dual_clip(prefix)
         problems += self._check_advantage_options(prefix)
         if self.name not in RL_ALGORITHMS:
-            positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
             return problems + self._check_batches(prefix)
         if self.name == "PPO":
             problems += self._check_ppo(prefix)
@@ -204,7 +199,6 @@ class AlgorithmConfig:
                 f"{prefix}.group_size ({self.group_size}) must be >= 2: a group of one has no "
                 "relative advantage; use 4 to 16"
             )
-        positive(problems, f"{prefix}.prompts_per_step", self.prompts_per_step)
         if self.beta < 0:
             problems.append(f"{prefix}.beta ({self.beta}) must be >= 0 (0 disables the KL term)")
         for key in ("clip_low", "clip_high"):
@@ -215,8 +209,6 @@ class AlgorithmConfig:
             problems.append(
                 f"{prefix}.clip_low ({self.clip_low}) must be < 1 (the ratio is positive)"
             )
-        positive(problems, f"{prefix}.update_epochs", self.update_epochs)
-        positive(problems, f"{prefix}.advantage_eps", self.advantage_eps)
         problems += self._check_batches(prefix)
         return problems
 
@@ -275,9 +267,6 @@ class AlgorithmConfig:
             for key, usual in (("gamma", 1.0), ("lam", 0.95))
             if not 0.0 <= getattr(self, key) <= 1.0
         ]
-        if self.vf_coef < 0:
-            problems.append(f"{prefix}.vf_coef ({self.vf_coef}) must be >= 0; 0.5 is usual")
-        positive(problems, f"{prefix}.value_clip", self.value_clip, "0.2 is usual")
         if self.dynamic_sampling:
             problems.append(
                 f"{prefix}.dynamic_sampling is for the GRPO family (it drops groups without "

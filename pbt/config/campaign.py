@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pbt.config.rules import positive
+from pbt.config.rules import (
+    Bound,
+    Count,
+    PositiveFloat,
+    PositiveInt,
+    Seconds,
+    bound_problems,
+)
 
 
 @dataclass(kw_only=True, slots=True)
 class PopulationConfig:
     """The population of a campaign and how it is selected."""
 
-    size: int = 4
+    size: PositiveInt = 4
     selection: Literal["tournament", "truncation"] = "tournament"
     """``tournament``: every slot but the elite's is the winner of a tournament (AgileRL's).
     ``truncation``: the bottom ``truncation_fraction`` copy members of the top one and mutate;
@@ -22,15 +29,15 @@ class PopulationConfig:
     exploit_gap: float = 0.0
     """Truncation: a bottom member is replaced only when its new parent's fitness is more than
     this above its own (set it near the evaluation's noise to exploit only real differences)."""
-    ready_generations: int = 0
+    ready_generations: Count = 0
     """Truncation: nobody is replaced before the population has trained this many generations
     (a burn-in: slow starters are not cut early); a collapsed or unevaluated member still is."""
     tournament_size: int = 2
     elitism: bool = True
     """Keep the best member unchanged into the next generation (tournament)."""
-    fitness_window: int = 1
+    fitness_window: PositiveInt = 1
     """Fitness is the mean of this many latest evaluations."""
-    evo_steps: int = 10
+    evo_steps: PositiveInt = 10
     """Training steps of each member between two selections."""
     init_sampler: Literal["none", "random", "qmc", "tpe"] = "none"
     """How generation 0's hyperparameters are drawn from the mutation ranges (log-uniform where
@@ -42,20 +49,17 @@ class PopulationConfig:
     manifest's folder)."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = bound_problems(self, prefix)
         if self.warm_start is not None and self.init_sampler != "tpe":
             problems.append(
                 f"{prefix}.warm_start ({self.warm_start!r}) only informs init_sampler: tpe, "
                 f"but init_sampler is {self.init_sampler!r}; set init_sampler: tpe or drop "
                 "warm_start"
             )
-        positive(problems, f"{prefix}.size", self.size)
-        positive(problems, f"{prefix}.evo_steps", self.evo_steps)
         if self.selection == "truncation":
             problems += truncation_problems(
                 self.truncation_fraction, self.exploit_gap, self.ready_generations
             )
-        positive(problems, f"{prefix}.fitness_window", self.fitness_window)
         return problems
 
 
@@ -96,17 +100,13 @@ class SearchConfig:
     """``median`` prunes against complete trials only, so with every slot's trial as long as the
     campaign it never prunes; ``successive_halving`` and ``hyperband`` compare trials at the
     same generation and free slots early."""
-    trial_generations: int = 4
+    trial_generations: PositiveInt = 4
     """Generations one trial trains at most (the pruner's full budget)."""
-    startup_trials: int = 4
+    startup_trials: Count = 4
     """Trials completed before the pruner and the sampler start deciding."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.trial_generations", self.trial_generations)
-        if self.startup_trials < 0:
-            problems.append(f"{prefix}.startup_trials ({self.startup_trials}) must be >= 0")
-        return problems
+        return bound_problems(self, prefix)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,26 +134,29 @@ class TrackingConfig:
 class BudgetConfig:
     """When a campaign stops: the first limit reached."""
 
-    generations: int = 3
-    total_steps: int | None = None
+    generations: PositiveInt = 3
+    total_steps: PositiveInt | None = None
     """Training steps summed over all members."""
-    wall_time_s: float | None = None
-    gpu_hours: float | None = None
+    wall_time_s: Seconds | None = None
+    gpu_hours: PositiveFloat | None = None
     target_fitness: float | None = None
     """Stop as soon as the best member reaches this fitness."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.generations", self.generations)
-        for key in ("total_steps", "wall_time_s", "gpu_hours"):
-            value = getattr(self, key)
-            if value is not None:
-                positive(problems, f"{prefix}.{key}", value)
-        return problems
+        return bound_problems(self, prefix)
 
 
 MIN_MEMORY_LIMIT_GIB = 0.25
 """The lowest ``launch.memory_limit_gib``: below it not even a small member program starts."""
+MemoryGiB = Annotated[
+    float,
+    Bound(
+        MIN_MEMORY_LIMIT_GIB,
+        strict=False,
+        fix="a member process imports torch in about half a GiB; raise it, or leave it unset "
+        "for no limit",
+    ),
+]
 
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^(UNLIMITED|INFINITE)$")
@@ -171,18 +174,18 @@ class SlurmConfig:
     time: str | None = "04:00:00"
     """``--time`` of each member job (a long-lived worker job: of the worker). Past it Slurm
     ends the job and the attempt is recorded as ``timeout``."""
-    nodes_per_member: int = 1
+    nodes_per_member: PositiveInt = 1
     """Nodes of each member job: ``srun`` starts one torchrun agent per node, which meet over
     c10d with the first node of the allocation as the endpoint and the job id as the
     rendezvous id."""
-    gpus_per_node: int | None = None
+    gpus_per_node: PositiveInt | None = None
     """GPUs each node gives a member (``--gpus-per-node``); default ``gpus_per_member /
     nodes_per_member``."""
-    tasks_per_node: int = 1
+    tasks_per_node: PositiveInt = 1
     """torchrun agents per node. 1 on a real cluster; 2 lets one host stand in for two nodes
     (each agent then runs half the node's ranks), which is how the tests check multi-node
     members on a single machine."""
-    cpus_per_task: int | None = None
+    cpus_per_task: PositiveInt | None = None
     mem: str | None = None
     """``--mem`` per node, e.g. ``"64G"``; past it Slurm ends the job (``out_of_memory``)."""
     constraint: str | None = None
@@ -190,16 +193,11 @@ class SlurmConfig:
     """More ``#SBATCH`` options, each as written after it, e.g. ``["--exclusive"]``."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run first in every job, e.g. ``module load cuda`` or ``source venv/bin/activate``."""
-    poll_s: float = 2.0
+    poll_s: Seconds = 2.0
     """Seconds between two looks at the queue (one ``squeue`` for all the campaign's jobs)."""
 
     def check(self, prefix: str, launch: LaunchConfig) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.nodes_per_member", self.nodes_per_member)
-        positive(problems, f"{prefix}.tasks_per_node", self.tasks_per_node)
-        positive(problems, f"{prefix}.poll_s", self.poll_s)
-        if self.cpus_per_task is not None:
-            positive(problems, f"{prefix}.cpus_per_task", self.cpus_per_task)
+        problems = bound_problems(self, prefix)
         if self.time is not None and not _SLURM_TIME.match(self.time):
             problems.append(
                 f'{prefix}.time ({self.time!r}) is not a Slurm time; write minutes, "MM:SS", '
@@ -242,15 +240,15 @@ class LaunchConfig:
     """``local``: each member a process group on this machine; ``slurm``: each member task a
     Slurm job (see ``launch.slurm``), the controller anywhere that can run ``sbatch``."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    gpus_per_member: int = 0
+    gpus_per_member: Count = 0
     """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
-    nproc_per_member: int = 1
+    nproc_per_member: PositiveInt = 1
     """Ranks per member when ``gpus_per_member`` is 0 (CPU processes)."""
-    slots: int = 1
+    slots: PositiveInt = 1
     """Members trained at once; more wait in a queue."""
-    gpu_ids: list[int] | None = None
+    gpu_ids: list[Count] | None = None
     """GPUs the campaign may use; default ``0 ..`` as many as the slots need."""
-    members_per_gpu: int = 1
+    members_per_gpu: PositiveInt = 1
     """Members trained at once on each GPU (each its own worker): slots ``0 .. k-1`` share the
     first GPUs, and so on. A model that leaves the GPU mostly idle (a 0.5B member uses a few
     percent of an H200's memory bandwidth) trains several members in the time of one; each
@@ -261,11 +259,14 @@ class LaunchConfig:
     kernels run side by side instead of time-sliced (8 members of a 0.5B shape on one H200:
     3.60x one at a time under MPS, 1.46x time-sliced). Without ``nvidia-cuda-mps-control`` the
     campaign says so and time-slices."""
-    max_attempts: int = 2
+    max_attempts: PositiveInt = 2
     """Attempts of a failing member before it is replaced by a clone of the elite."""
-    heartbeat_timeout_s: float = 300.0
-    task_timeout_s: float | None = None
-    memory_limit_gib: float | None = None
+    heartbeat_timeout_s: Seconds = 300.0
+    """A member whose heartbeat is older than this is stopped and counted as failed."""
+    task_timeout_s: Seconds | None = None
+    """The longest one member task may run before it is stopped as ``timeout``; unset: no
+    limit."""
+    memory_limit_gib: MemoryGiB | None = None
     """The most host memory (GiB) each process of a member may allocate: its heap and private
     mappings (``RLIMIT_DATA``), not GPU memory. Past it an allocation fails, the member is
     recorded as ``out_of_memory`` and retried or replaced, and the machine stays responsive
@@ -289,21 +290,11 @@ class LaunchConfig:
         return self.gpus_per_member or self.nproc_per_member
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        if self.gpus_per_member < 0:
-            problems.append(f"{prefix}.gpus_per_member ({self.gpus_per_member}) must be >= 0")
-        positive(problems, f"{prefix}.nproc_per_member", self.nproc_per_member)
-        positive(problems, f"{prefix}.slots", self.slots)
-        positive(problems, f"{prefix}.max_attempts", self.max_attempts)
-        positive(problems, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
-        if self.memory_limit_gib is not None and self.memory_limit_gib < MIN_MEMORY_LIMIT_GIB:
-            problems.append(
-                f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) must be at least "
-                f"{MIN_MEMORY_LIMIT_GIB} GiB (a member process imports torch in about half a "
-                "GiB); raise it, or leave it unset for no limit"
-            )
+        problems = bound_problems(self, prefix)
         if self.backend == "slurm":
             problems += self.slurm.check(f"{prefix}.slurm", self)
+        else:  # unused until the backend is slurm, but no negative time waits there either
+            problems += bound_problems(self.slurm, f"{prefix}.slurm")
         if self.backend == "slurm" and self.gpu_ids is not None:
             problems.append(
                 f"{prefix}.gpu_ids ({self.gpu_ids}) is for the local backend; on Slurm the "
@@ -314,7 +305,6 @@ class LaunchConfig:
                 f"{prefix}.memory_limit_gib ({self.memory_limit_gib}) is for the local backend; "
                 f'on Slurm give {prefix}.slurm.mem (per node, e.g. "64G") instead'
             )
-        positive(problems, f"{prefix}.members_per_gpu", self.members_per_gpu)
         if self.members_per_gpu > 1 and (self.gpus_per_member == 0 or self.backend != "local"):
             problems.append(
                 f"{prefix}.members_per_gpu ({self.members_per_gpu}) shares GPUs between the local "

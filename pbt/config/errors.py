@@ -53,6 +53,14 @@ class RewardError(PbtError):
     is not a finite number. The message is one line naming the function, the row (question and
     an excerpt of the completion) and the value or the exception.
 
-    The member's task fails with fault kind ``reward_error``; ``pbt train`` prints the message
-    and exits 2.
+    ``reproduced`` says that the same input gives the same failure: a reward that raised or
+    returned a bad value is called once more on the same input before this is raised (a second
+    call that succeeds gives the value instead); a call that ran past its time is not tried
+    again, and is not ``reproduced``. A reproduced error fails the member's task with fault kind
+    ``reward_error``, which a campaign does not retry (the same member would fail the same way);
+    one that is not is a plain failure, retried. ``pbt train`` prints the message and exits 2.
     """
+
+    def __init__(self, message: str, reproduced: bool = True) -> None:
+        super().__init__(message)
+        self.reproduced = reproduced

@@ -1,17 +1,24 @@
 """Load a YAML manifest (or an AgileRL-style ``INIT_HP`` dict) into a typed :class:`Manifest`.
 
 Every problem is collected before anything is raised: unknown keys (with the nearest valid key
-suggested), wrong types, and the value rules each config's ``check()`` states. The result is one
-:class:`~pbt.errors.ConfigError` listing all of them.
+suggested), wrong types, NaN and infinities in any number, and the value rules each config's
+``check()`` states. The result is one :class:`~pbt.errors.ConfigError` listing all of them.
+
+Every manifest file is read here, by :func:`read_manifest_file`: at most
+:data:`~pbt.config.strict_yaml.MAX_BYTES`, parsed by :mod:`pbt.config.strict_yaml` (duplicate
+keys, nesting and alias expansion refused in one line each); a file without a document says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -21,6 +28,8 @@ from pbt.config.agilerl import translate_agilerl, translate_hp_dicts
 from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
 from pbt.config.ranges import campaign_problems
+from pbt.config.rules import shown as _show
+from pbt.config.strict_yaml import MAX_BYTES, NO_DOCUMENT, ManifestYAMLError, load_strict
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,17 +48,20 @@ def read_manifest_file(path: str | Path) -> ManifestFile:
     """Read a YAML manifest file once and validate it; problems name the file.
 
     Raises:
-        ConfigError: the file is missing, a folder, unreadable or not valid YAML, its top level
-            is not a mapping, or any key or value breaks a rule.
+        ConfigError: the file is missing, a folder, unreadable, too large, empty or not valid
+            YAML (duplicate keys, too deep, aliases that expand too far included), its top
+            level is not a mapping, or any key or value breaks a rule.
     """
     path = Path(path)
     text = _read_text(path)
     try:
-        sections = yaml.safe_load(text)
+        sections = load_strict(text)
     except yaml.YAMLError as err:
         raise ConfigError([_yaml_problem(err)], str(path)) from None
-    if sections is None:
-        sections = {}
+    except ManifestYAMLError as err:
+        raise ConfigError([str(err)], str(path)) from None
+    if sections is NO_DOCUMENT:
+        raise ConfigError([_empty_problem(path, text)], str(path))
     if not isinstance(sections, dict):
         raise ConfigError(
             [
@@ -71,9 +83,33 @@ def load_manifest(path: str | Path) -> Manifest:
     return read_manifest_file(path).manifest
 
 
+def _empty_problem(path: Path, text: str) -> str:
+    """What a file without a YAML document gets: what it holds, and where to start."""
+    what = "only comments" if text.strip() else "nothing"
+    reference = "configs/reference.yaml"
+    with contextlib.suppress(Exception):  # an installed package: the file's own path
+        reference += f" (installed as {resources.files('pbt.configs') / 'reference.yaml'})"
+    return (
+        f"{path} is empty: it holds {what}, no sections; start from {reference}, which lists "
+        "every key with its default, or write {} to take every default"
+    )
+
+
 def _read_text(path: Path) -> str:
+    """The file's text, read up to :data:`MAX_BYTES` (a device or a huge file is refused,
+    not read to its end)."""
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            raise ConfigError(
+                [
+                    f"{path} is larger than {MAX_BYTES >> 10} KiB, which no manifest needs (one "
+                    "is a few KB of YAML); rows go in a file that task.train names"
+                ],
+                str(path),
+            )
+        return data.decode("utf-8")
     except OSError as err:
         reason = err.strerror or str(err)
         raise ConfigError([f"cannot read {path}: {reason}; check the path"], str(path)) from None
@@ -159,7 +195,7 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     """Construct dataclass ``cls`` from ``data``, appending problems instead of raising."""
     where = prefix or "manifest"
     if not isinstance(data, dict):
-        problems.append(f"{where} must be a mapping, got {type(data).__name__} {data!r}")
+        problems.append(f"{where} must be a mapping, got {type(data).__name__} {_show(data)}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -197,6 +233,7 @@ def _fix_hint(field: dataclasses.Field, hint: Any, value: Any) -> str:
     if typing.get_origin(hint) is Literal:
         choices = [str(a) for a in typing.get_args(hint)]
         close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+        close = close or [c for c in choices if c.lower() == str(value).lower()]
         return f"; did you mean {close[0]!r}?" if close else ""
     default = field.default
     if isinstance(default, (bool, int, float, str)):
@@ -214,31 +251,35 @@ def _coerce(value: Any, hint: Any, key: str, problems: list[str]) -> tuple[bool,
         sections = [a for a in args if dataclasses.is_dataclass(a)]
         if isinstance(value, dict) and len(sections) == 1:  # a section that may be null
             return _coerce(value, sections[0], key, problems)
+        if float in args and not isinstance(value, bool):  # say why a number is refused
+            number = _float(value)
+            if number is not None and not math.isfinite(number):
+                return _coerce_scalar(value, float, key, problems)
         for arg in (a for a in args if a is not type(None)):
             scratch: list[str] = []
             ok, converted = _coerce(value, arg, key, scratch)
             if ok and not scratch:
                 return True, converted
-        problems.append(f"{key} ({value!r}) must be {_describe(hint)}")
+        problems.append(f"{key} ({_show(value)}) must be {_describe(hint)}")
         return False, None
     if origin is Literal:
         if value in args:
             return True, value
-        problems.append(f"{key} ({value!r}) must be one of {', '.join(map(repr, args))}")
+        problems.append(f"{key} ({_show(value)}) must be one of {', '.join(map(repr, args))}")
         return False, None
     if dataclasses.is_dataclass(hint):
         built = _build(hint, value, key, problems)
         return built is not None, built
     if origin is list:
         if not isinstance(value, list):
-            problems.append(f"{key} ({value!r}) must be a list of {_describe(args[0])}")
+            problems.append(f"{key} ({_show(value)}) must be a list of {_describe(args[0])}")
             return False, None
         items = [_coerce(v, args[0], f"{key}[{i}]", problems) for i, v in enumerate(value)]
         return all(ok for ok, _ in items), [v for _, v in items]
     if origin is dict:
         if isinstance(value, dict):
             return True, dict(value)
-        problems.append(f"{key} ({value!r}) must be a mapping")
+        problems.append(f"{key} ({_show(value)}) must be a mapping")
         return False, None
     return _coerce_scalar(value, hint, key, problems)
 
@@ -247,20 +288,44 @@ def _coerce_scalar(value: Any, hint: Any, key: str, problems: list[str]) -> tupl
     if hint is bool and isinstance(value, bool):
         return True, value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return True, value
+        if abs(value) < INT_LIMIT:
+            return True, value
+        problems.append(
+            f"{key} ({_show(value)}) is out of range: a whole number here is below 2**63"
+        )
+        return False, None
     if hint is float and not isinstance(value, bool):
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        if isinstance(value, str):
-            # YAML 1.1 reads `5e-4` (no dot) as a string; accept it as the number it means.
-            try:
-                return True, float(value)
-            except ValueError:
-                pass
+        number = _float(value)
+        if number is not None and math.isfinite(number):
+            return True, number
+        if number is not None:
+            problems.append(f"{key} ({_show(value)}) must be a finite number, not NaN or infinity")
+            return False, None
     if hint is str and isinstance(value, str):
         return True, value
-    problems.append(f"{key} ({value!r}) must be {_describe(hint)}")
+    problems.append(f"{key} ({_show(value)}) must be {_describe(hint)}")
     return False, None
+
+
+INT_LIMIT = 2**63
+"""Whole numbers in a manifest fit a signed 64-bit integer (seeds, sizes and counts reach torch
+and numpy as such)."""
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float: a number, or a string that reads as one (YAML 1.1 reads ``5e-4``,
+    without a dot, as a string); None otherwise."""
+    if isinstance(value, (int, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an integer too large for a float
+            return math.inf
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _describe(hint: Any) -> str:

@@ -23,6 +23,7 @@ from pbt.config.campaign import (
 )
 from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
 from pbt.config.rollout import RolloutConfig
+from pbt.config.rules import shown
 from pbt.config.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
 
@@ -63,7 +64,7 @@ class Manifest:
         ):
             problems.append(
                 f"distributed.fsdp.cpu_offload (true) needs a vLLM rollout, but rollout.engine is "
-                f"{self.rollout.engine!r}: HF generate needs the weights on the compute device; "
+                f"{shown(self.rollout.engine)}: HF generate needs the weights on the compute device; "
                 "set cpu_offload: false"
             )
         if self.rollout.engine == "vllm":
@@ -128,7 +129,7 @@ class Manifest:
         problems: list[str] = []
         if self.distributed.fsdp and quant.storage_dtype != "bfloat16":
             problems.append(
-                f"model.quantization.storage_dtype ({quant.storage_dtype!r}) must be 'bfloat16' "
+                f"model.quantization.storage_dtype ({shown(quant.storage_dtype)}) must be 'bfloat16' "
                 "with distributed.fsdp: FSDP2 shards the packed 4-bit weights as a float tensor "
                 "and gathers them in bfloat16, which would change any other storage's bytes; "
                 "set storage_dtype: bfloat16"
@@ -163,14 +164,14 @@ class Manifest:
             source = getattr(task, key)
             if source is None or source.startswith(HUB_PREFIX) or "\0" in source or not source:
                 continue
-            if not (base / source).exists():
+            if not _exists(base / source):
                 problems.append(
-                    f"task.{key} ({source!r}) not found: nothing at {base / source}; give a file "
+                    f"task.{key} ({shown(source)}) not found: nothing at {base / source}; give a file "
                     "or folder relative to the manifest's folder"
                 )
         if task.train is not None and rl and not task.reward_refs():
             problems.append(
-                f"task.train ({task.train!r}) has no reward: your own rows need task.reward "
+                f"task.train ({shown(task.train)}) has no reward: your own rows need task.reward "
                 "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             )
         for i, ref in enumerate(task.reward_refs()):
@@ -182,16 +183,16 @@ class Manifest:
     def _unknown_task(self, name: str, rl: bool) -> str:
         if "/" in name or name.endswith((".jsonl", ".json", ".csv", ".parquet")):
             return (
-                f"task.name ({name!r}) looks like a file; your own rows go in task.train "
+                f"task.name ({shown(name)}) looks like a file; your own rows go in task.train "
                 f"(task: {{train: {name}}})"
             )
         if not rl:
             return (
-                f"task.name ({name!r}) is not a dataset {self.algorithm.name} can learn from; "
+                f"task.name ({shown(name)}) is not a dataset {self.algorithm.name} can learn from; "
                 "use builtin:letters, or task.train for your own file"
             )
         return (
-            f"task.name ({name!r}) is not a known task; use {', '.join(BUILTIN_TASKS)}, "
+            f"task.name ({shown(name)}) is not a known task; use {', '.join(BUILTIN_TASKS)}, "
             "reasoning_gym:<dataset>, or task.train for your own file"
         )
 
@@ -201,7 +202,7 @@ class Manifest:
         if self.algorithm.name not in RL_ALGORITHMS:
             problems.append(
                 f"rollout.engine ('vllm') serves RL rollouts, but algorithm.name is "
-                f"{self.algorithm.name!r}, which samples nothing; use engine: hf"
+                f"{shown(self.algorithm.name)}, which samples nothing; use engine: hf"
             )
         tp, ranks = self.rollout.vllm.tensor_parallel_size, self.launch.ranks
         if tp > 1 and tp != ranks:
@@ -225,6 +226,14 @@ class Manifest:
                 "(CPU), or use engine: hf"
             )
         return problems
+
+
+def _exists(path: Path) -> bool:
+    """Whether something is at ``path``; False for a path no file system takes (too long)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 SECTIONS = (

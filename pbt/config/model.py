@@ -7,10 +7,10 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.rules import positive
+from pbt.config.rules import Count, PositiveFloat, above_zero, bound_problems, shown
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QuantType = Literal["nf4", "fp4"]
@@ -70,31 +70,46 @@ def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
     has the hub's ``name`` or ``org/name`` shape; one that looks like a path (it starts with
     ``.``, ``/`` or ``~``, or has more than one separator) is invalid.
     """
+    try:
+        return _locate(name, Path(base_dir))
+    except (OSError, ValueError) as err:  # a name no file system takes: too long, a NUL byte
+        reason = getattr(err, "strerror", None) or str(err)
+        problem = f"model.name ({shown(name)}) is not a usable path ({reason}); {_MODEL_FIX}"
+        return ModelLocation("invalid", name, Path(base_dir), problem)
+
+
+def _locate(name: str, base_dir: Path) -> ModelLocation:
     path = Path(name).expanduser()
-    path = path if path.is_absolute() else Path(base_dir) / path
+    path = path if path.is_absolute() else base_dir / path
     if name == BUILTIN_MODEL:
         return ModelLocation("builtin", name, path)
     if name.startswith("builtin:"):
         rule = f"is not a built-in model; the one built-in model is {BUILTIN_MODEL}"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}")
+        return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}")
     if path.is_dir():
         if (path / "config.json").is_file():
             return ModelLocation("folder", name, path)
         rule = f"is a folder without config.json ({path / 'config.json'} is missing)"
         fix = "give the folder that save_pretrained wrote (config.json, weights, tokenizer)"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
+        return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
     if path.exists():
         rule = f"is not a folder: {path} is a file"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     if _looks_like_path(name):
         rule = f"is not a folder: {path} does not exist"
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     if not _HUB_ID.match(name):
         rule = (
             f"is neither a folder ({path} does not exist) nor a hub id (name or org/name, of "
             "letters, digits, '-', '_' and '.')"
         )
-        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {_MODEL_FIX}")
+        return ModelLocation(
+            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
+        )
     return ModelLocation("hub", name, path)
 
 
@@ -111,7 +126,7 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
         first = _first_line(err)
         return ConfigError(
             [
-                f"model.name ({name!r}): the {what} in {path} could not be loaded ({first}); "
+                f"model.name ({shown(name)}): the {what} in {path} could not be loaded ({first}); "
                 "give a folder that save_pretrained wrote (config.json, weights, tokenizer)"
             ]
         )
@@ -119,7 +134,7 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
     if names & {"RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"}:
         return ConfigError(
             [
-                f"model.name ({name!r}) is not a model on the Hugging Face hub that this machine "
+                f"model.name ({shown(name)}) is not a model on the Hugging Face hub that this machine "
                 "may read (no such repository, or a gated or private one); check the spelling, "
                 "log in with "
                 "`hf auth login` for a gated model, or give a local folder"
@@ -127,14 +142,14 @@ def model_load_error(name: str, path: str, what: str, err: Exception) -> PbtErro
         )
     if names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(err):
         return PbtError(
-            f"model.name ({name!r}) could not be fetched: the Hugging Face hub is unreachable "
+            f"model.name ({shown(name)}) could not be fetched: the Hugging Face hub is unreachable "
             "and the model is not in the local cache; check the network (or HF_HUB_OFFLINE), "
             "or download it once and give its folder"
         )
     first = _first_line(err)
     return ConfigError(
         [
-            f"model.name ({name!r}): the {what} fetched from the hub could not be loaded "
+            f"model.name ({shown(name)}): the {what} fetched from the hub could not be loaded "
             f"({first}); give a causal language model with its tokenizer"
         ]
     )
@@ -207,19 +222,17 @@ class ModelConfig:
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     pad_token: str | None = None
     """The padding token; default the tokenizer's own, else its EOS token."""
-    pad_token_id: int | None = None
+    pad_token_id: Count | None = None
     """Checked against the tokenizer: the id ``pad_token`` (or the default) must have."""
     quantization: QuantizationConfig | None = None
     """Load the frozen base in 4 bits (QLoRA); None trains on the base as ``dtype`` says."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = bound_problems(self, prefix)
         if not self.name.strip():
             problems.append(
                 f"{prefix}.name is empty; give a model folder, hub id or {BUILTIN_MODEL}"
             )
-        if self.pad_token_id is not None and self.pad_token_id < 0:
-            problems.append(f"{prefix}.pad_token_id ({self.pad_token_id}) must be >= 0")
         if self.quantization is not None:
             problems += self.quantization.check(f"{prefix}.quantization")
         return problems
@@ -229,9 +242,9 @@ class ModelConfig:
 class LoRAConfig:
     """The LoRA adapter that is each member's trainable state."""
 
-    r: int = 8
+    r: Annotated[int, above_zero("use a rank such as 8 or 16")] = 8
     """Adapter rank."""
-    alpha: float = 16.0
+    alpha: PositiveFloat = 16.0
     """Scaling numerator: the update is scaled by ``alpha / r``."""
     dropout: float = 0.0
     """Dropout on the adapter input; keep 0 for exactly reproducible runs."""
@@ -239,9 +252,7 @@ class LoRAConfig:
     """Module names to adapt, or ``all-linear`` for every linear layer but the output head."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.r", self.r, "use a rank such as 8 or 16")
-        positive(problems, f"{prefix}.alpha", self.alpha)
+        problems = bound_problems(self, prefix)
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"{prefix}.dropout ({self.dropout}) must be in [0, 1)")
         if isinstance(self.target_modules, list) and not self.target_modules:
@@ -255,30 +266,26 @@ class LoRAConfig:
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-5
+    lr: Annotated[float, above_zero("a LoRA run typically uses 1e-5 to 1e-3")] = 1e-5
     """Peak learning rate."""
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: PositiveFloat = 1e-8
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    warmup_steps: int = 0
+    warmup_steps: Count = 0
     """Optimizer steps of linear warmup from 0 to ``lr``."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Shape after warmup; ``linear`` and ``cosine`` decay to 0 at the end of training."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.lr", self.lr, "a LoRA run typically uses 1e-5 to 1e-3")
+        problems = bound_problems(self, prefix)
         if self.weight_decay < 0:
             problems.append(f"{prefix}.weight_decay ({self.weight_decay}) must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             problems.append(f"{prefix}.betas ({self.betas}) must be two values in [0, 1)")
-        positive(problems, f"{prefix}.eps", self.eps)
         if self.max_grad_norm < 0:
             problems.append(
                 f"{prefix}.max_grad_norm ({self.max_grad_norm}) must be >= 0 (0 disables)"
             )
-        if self.warmup_steps < 0:
-            problems.append(f"{prefix}.warmup_steps ({self.warmup_steps}) must be >= 0")
         return problems

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from pbt.config.model import Dtype
-from pbt.config.rules import positive
+from pbt.config.rules import (
+    PositiveFloat,
+    PositiveInt,
+    above_zero,
+    at_least_zero,
+    bound_problems,
+)
 
 VLLM_OWN_KEYS = (
     "model",
@@ -29,12 +35,12 @@ class VLLMConfig:
 
     gpu_memory_utilization: float = 0.3
     """Share of each GPU vLLM may take for weights and KV cache; the rest is training's."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
     """1: each rank runs its own engine on its share of the prompts. The member's rank count:
     one engine sharded over all of them (every rank sees every completion)."""
-    max_num_seqs: int = 256
+    max_num_seqs: PositiveInt = 256
     """Sequences decoded at once."""
-    max_model_len: int | None = None
+    max_model_len: PositiveInt | None = None
     """Longest prompt + completion in tokens; default the model's own limit."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (a group's completions share their prompt)."""
@@ -45,32 +51,22 @@ class VLLMConfig:
     """The engine's dtype; ``auto`` follows ``model.dtype``."""
     enforce_eager: bool = False
     """Skip CUDA graph capture: slower decoding, faster start, less memory."""
-    importance_cap: float = 2.0
+    importance_cap: Annotated[float, at_least_zero("0 turns the correction off; 2 is usual")] = 2.0
     """Cap of the truncated importance weight ``min(p_trainer / p_vllm, cap)`` that corrects
     each token's loss for the small numeric gap between vLLM's sampler and the trainer; 0 turns
     the correction off."""
-    cpu_kv_cache_gib: float = 1.0
+    cpu_kv_cache_gib: PositiveFloat = 1.0
     """KV cache size on CPU (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); unused on GPU."""
     engine_kwargs: dict[str, object] = field(default_factory=dict)
     """Anything else, passed to ``vllm.LLM`` as keyword arguments."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = bound_problems(self, prefix)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             problems.append(
                 f"{prefix}.gpu_memory_utilization ({self.gpu_memory_utilization}) must be in "
                 "(0, 1]; colocated with training, 0.2 to 0.5 is usual"
             )
-        positive(problems, f"{prefix}.tensor_parallel_size", self.tensor_parallel_size)
-        positive(problems, f"{prefix}.max_num_seqs", self.max_num_seqs)
-        if self.max_model_len is not None:
-            positive(problems, f"{prefix}.max_model_len", self.max_model_len)
-        if self.importance_cap < 0:
-            problems.append(
-                f"{prefix}.importance_cap ({self.importance_cap}) must be >= 0 (0 turns the "
-                "correction off); 2 is usual"
-            )
-        positive(problems, f"{prefix}.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
         for key in self.engine_kwargs:
             if key in VLLM_OWN_KEYS:
                 problems.append(
@@ -113,21 +109,17 @@ class RolloutConfig:
     it: faster steps, a compile per batch shape when a worker first meets it."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM engine's settings; read only when ``engine`` is ``vllm``."""
-    temperature: float = 1.0
+    temperature: Annotated[float, above_zero("use 0.7 to 1.2 for RL")] = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Annotated[int, at_least_zero("0 disables")] = 0
     """0 disables top-k filtering."""
-    max_output_tokens: int = 64
+    max_output_tokens: PositiveInt = 64
     min_output_tokens: int = 0
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.temperature", self.temperature, "use 0.7 to 1.2 for RL")
+        problems = bound_problems(self, prefix)
         if not 0.0 < self.top_p <= 1.0:
             problems.append(f"{prefix}.top_p ({self.top_p}) must be in (0, 1]")
-        if self.top_k < 0:
-            problems.append(f"{prefix}.top_k ({self.top_k}) must be >= 0 (0 disables)")
-        positive(problems, f"{prefix}.max_output_tokens", self.max_output_tokens)
         if not 0 <= self.min_output_tokens <= self.max_output_tokens:
             problems.append(
                 f"{prefix}.min_output_tokens ({self.min_output_tokens}) must be in "
@@ -135,4 +127,6 @@ class RolloutConfig:
             )
         if self.engine == "vllm":
             problems += self.vllm.check(f"{prefix}.vllm")
+        else:  # unused until the engine is vllm, but its sizes are checked all the same
+            problems += bound_problems(self.vllm, f"{prefix}.vllm")
         return problems

@@ -6,9 +6,9 @@ import ast
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pbt.config.rules import positive
+from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,13 +30,15 @@ class RewardRef:
         problems: list[str] = []
         if "\0" in self.file:
             problems.append(
-                f"{prefix}.file ({self.file!r}) holds a NUL byte, which no path may; give a .py "
+                f"{prefix}.file ({shown(self.file)}) holds a NUL byte, which no path may; give a .py "
                 "path relative to the manifest's folder"
             )
         elif not self.file.endswith(".py"):
-            problems.append(f"{prefix}.file ({self.file!r}) must be a .py file")
+            problems.append(f"{prefix}.file ({shown(self.file)}) must be a .py file")
         if not self.function.isidentifier():
-            problems.append(f"{prefix}.function ({self.function!r}) must be a Python identifier")
+            problems.append(
+                f"{prefix}.function ({shown(self.function)}) must be a Python identifier"
+            )
         if not math.isfinite(self.weight) or self.weight == 0:
             problems.append(
                 f"{prefix}.weight ({self.weight}) must be a finite, non-zero number; 1.0 counts "
@@ -46,18 +48,19 @@ class RewardRef:
 
     def check_source(self, base_dir: Path, prefix: str) -> list[str]:
         """The file exists under ``base_dir`` and defines ``function`` at its top level. The
-        source is parsed, not executed: a manifest check runs no user code."""
+        source is parsed, not executed: loading a manifest runs no user code (``pbt check`` then
+        imports and calls it once, :func:`pbt.algorithms.tasks.check_rewards`)."""
         path = base_dir / self.file
         try:
             tree = ast.parse(path.read_text(), filename=str(path))
         except OSError as err:
             return [
-                f"{prefix}.file ({self.file!r}) cannot be read ({path}: {err.strerror}); give a "
+                f"{prefix}.file ({shown(self.file)}) cannot be read ({path}: {err.strerror}); give a "
                 ".py path relative to the manifest's folder"
             ]
         except SyntaxError as err:
             return [
-                f"{prefix}.file ({self.file!r}) is not valid Python: line {err.lineno}: "
+                f"{prefix}.file ({shown(self.file)}) is not valid Python: line {err.lineno}: "
                 f"{err.msg}; fix the file"
             ]
         defined = [
@@ -74,7 +77,7 @@ class RewardRef:
         if self.function not in defined:
             found = ", ".join(defined) or "nothing"
             return [
-                f"{prefix}.function ({self.function!r}) is not defined at the top level of "
+                f"{prefix}.function ({shown(self.function)}) is not defined at the top level of "
                 f"{self.file}; it defines: {found}"
             ]
         return []
@@ -139,13 +142,13 @@ class TaskConfig:
     rewards: list[RewardRef] = field(default_factory=list)
     """Several rewards, summed by their ``weight`` (each logged on its own); not with
     ``reward``."""
-    reward_timeout_s: float = 30.0
+    reward_timeout_s: Seconds = 30.0
     """Seconds one reward call (one completion, or one batch with ``batched``) may take before
     the member fails with a message naming the function."""
-    train_size: int | None = None
+    train_size: Annotated[int, above_zero("or null for every row")] | None = None
     """Training rows (at most): null takes every row of a file, and 2048 of a built-in or
     reasoning-gym task (a small built-in task may have fewer)."""
-    eval_size: int = 64
+    eval_size: PositiveInt = 64
     """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
     eval split, the same for every member)."""
 
@@ -166,11 +169,7 @@ class TaskConfig:
         return [self.reward] if self.reward is not None else list(self.rewards)
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        if self.train_size is not None:
-            positive(problems, f"{prefix}.train_size", self.train_size, "or null for every row")
-        positive(problems, f"{prefix}.eval_size", self.eval_size)
-        positive(problems, f"{prefix}.reward_timeout_s", self.reward_timeout_s)
+        problems = bound_problems(self, prefix)
         if not 0.0 < self.eval_fraction < 1.0:
             problems.append(
                 f"{prefix}.eval_fraction ({self.eval_fraction}) must be between 0 and 1 "
@@ -197,27 +196,27 @@ class TaskConfig:
         name = self.name
         if self.train is not None and name is not None and not name.startswith("builtin:"):
             return [
-                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                f"{prefix}.name ({shown(name)}) and {prefix}.train ({shown(self.train)}) both name the rows; "
                 "give train for your own data, or name for a built-in task"
             ]
         if self.train is not None and name is not None:
             return [
-                f"{prefix}.name ({name!r}) and {prefix}.train ({self.train!r}) both name the rows; "
+                f"{prefix}.name ({shown(name)}) and {prefix}.train ({shown(self.train)}) both name the rows; "
                 "remove name to train on your file"
             ]
         if self.train is None and self.eval is not None:
             return [
-                f"{prefix}.eval ({self.eval!r}) needs {prefix}.train: held-out rows of your own "
+                f"{prefix}.eval ({shown(self.eval)}) needs {prefix}.train: held-out rows of your own "
                 "data go with training rows of your own; add train or remove eval"
             ]
         if name is not None and name == REASONING_GYM_PREFIX:
             return [
-                f"{prefix}.name ({name!r}) names no dataset; write "
+                f"{prefix}.name ({shown(name)}) names no dataset; write "
                 "reasoning_gym:<dataset>, e.g. reasoning_gym:basic_arithmetic"
             ]
         for key in ("train", "eval"):
             value = getattr(self, key)
             if value is not None and (not value or "\0" in value):
-                problems = f"{prefix}.{key} ({value!r}) is not a path"
+                problems = f"{prefix}.{key} ({shown(value)}) is not a path"
                 return [f"{problems}; give a file or folder relative to the manifest's folder"]
         return []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pbt.config.fsdp import fsdp_problems
-from pbt.config.rules import positive
+from pbt.config.rules import Count, NonNegativeFloat, PositiveInt, Seconds, bound_problems
 
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -18,13 +18,12 @@ class DistributedConfig:
     fsdp: bool | dict[str, object] | None = None
     """``True`` for default FSDP2 sharding, a dict of ``FSDPConfig`` fields, or None for data
     parallel (each rank holds the whole model)."""
-    timeout_s: float = 600.0
+    timeout_s: Seconds = 600.0
     """A collective waiting longer than this (a peer rank died or hung) fails the member with
     an error instead of hanging it."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.timeout_s", self.timeout_s)
+        problems = bound_problems(self, prefix)
         if self.fsdp is None or isinstance(self.fsdp, bool):
             return problems
         return problems + fsdp_problems(self.fsdp, f"{prefix}.fsdp")
@@ -34,18 +33,18 @@ class DistributedConfig:
 class TrainingConfig:
     """The member's run: how long, how often to evaluate, where to write."""
 
-    steps: int = 100
+    steps: PositiveInt = 100
     """Training steps (one rollout batch each)."""
-    eval_every: int = 0
+    eval_every: Count = 0
     """Evaluate on the held-out split every N steps; 0 evaluates only before and after."""
-    eval_temperature: float = 0.0
+    eval_temperature: NonNegativeFloat = 0.0
     """Sampling temperature for evaluation; 0 is greedy."""
-    seed: int = 0
+    seed: Count = 0
     output_dir: str = "runs/member"
     """Where the checkpoint and logs go, relative to the working directory."""
     device: Device = "auto"
     """``auto`` picks CUDA when available, else CPU."""
-    log_every: int = 1
+    log_every: PositiveInt = 1
     mixed_precision: bool = True
     """On CUDA with a bf16 or fp16 base: the trainer's forward passes run under autocast, so the
     adapter's float32 master weights are cast once per pass and every matmul runs in the half
@@ -67,13 +66,4 @@ class TrainingConfig:
     the blocks' inputs travel. No effect on the CPU, where the activations already live."""
 
     def check(self, prefix: str) -> list[str]:
-        problems: list[str] = []
-        positive(problems, f"{prefix}.steps", self.steps)
-        if self.eval_every < 0:
-            problems.append(f"{prefix}.eval_every ({self.eval_every}) must be >= 0")
-        if self.eval_temperature < 0:
-            problems.append(f"{prefix}.eval_temperature ({self.eval_temperature}) must be >= 0")
-        if self.seed < 0:
-            problems.append(f"{prefix}.seed ({self.seed}) must be >= 0")
-        positive(problems, f"{prefix}.log_every", self.log_every)
-        return problems
+        return bound_problems(self, prefix)

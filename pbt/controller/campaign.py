@@ -73,6 +73,7 @@ from pbt.controller.store import STORE_FILENAME, CampaignStore
 from pbt.controller.trials import Trials
 from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
+from pbt.protocol.faults import NOT_RETRIED
 from pbt.protocol.files import write_json_atomic
 from pbt.protocol.paths import inside, plain_name
 from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
@@ -502,7 +503,7 @@ class Campaign:
                 outcome = self._check_result(m, outcome)
                 if outcome.status == "ok":
                     self._record_success(m, outcome)
-                elif m.attempts < launch.max_attempts and outcome.status != "config_error":
+                elif m.attempts < launch.max_attempts and outcome.status not in NOT_RETRIED:
                     self._record_fault(m, outcome, "retrying")
                     retry.append(m)
                 elif outcome.status == "disk_full":
@@ -722,8 +723,11 @@ class Campaign:
         times = "once" if m.attempts == 1 else f"{m.attempts} times"
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         fix = f"see {log}"
-        if outcome.status == "config_error":
-            fix = "fix the manifest and start the campaign again (pbt check MANIFEST first)"
+        if outcome.status in NOT_RETRIED:
+            fix = (
+                "fix the manifest or its reward and start the campaign again (pbt check "
+                "MANIFEST first)"
+            )
         return (
             f"{m.member_id} failed {times} ({outcome.status}: {cause}) and no member of "
             f"generation {generation} finished to replace it; {fix}"

@@ -17,9 +17,11 @@ frees once it has judged the error, so that the report itself can be written at 
 
 A member whose loss or gradient stayed NaN or inf for ``algorithm.max_nonfinite_steps`` steps in
 a row raises :class:`~pbt.config.errors.DivergedError` and is recorded as ``diverged``: like a
-failed member, it is retried from its parent and then replaced. A reward function that raised,
-hung or returned something that is not a finite number raises
-:class:`~pbt.config.errors.RewardError`, recorded as ``reward_error`` with its one-line message.
+failed member, it is retried from its parent and then replaced. A reward function that raised
+or returned something that is not a finite number, and did so again when called once more on the
+same input, raises :class:`~pbt.config.errors.RewardError`, recorded as ``reward_error`` with its
+one-line message: like ``config_error``, it is not retried (:data:`NOT_RETRIED`). A reward call
+that ran past ``task.reward_timeout_s`` may have met a busy machine: a plain failure, retried.
 
 A member that stops on a :class:`~pbt.config.errors.ConfigError` (a model that cannot be loaded,
 a tokenizer without a chat template, a batch its ranks cannot split) is ``config_error``: the
@@ -63,6 +65,9 @@ KINDS: tuple[FaultKind, ...] = (
     "config_error",
     "reward_error",
 )
+NOT_RETRIED: frozenset[str] = frozenset({"config_error", "reward_error"})
+"""Fault kinds that the same task input reproduces: a campaign replaces such a member at once
+instead of spending attempts on it."""
 CAUSE_CHARS = 600
 """The most characters of a cause kept: a line a person reads, not a dump."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -96,7 +101,7 @@ def classify(err: BaseException) -> FaultKind | None:
         if isinstance(err, DivergedError):
             return "diverged"
         if isinstance(err, RewardError):
-            return "reward_error"
+            return "reward_error" if err.reproduced else None
         if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
             return "out_of_memory"
         if isinstance(err, OSError) and err.errno == errno.ENOMEM:

@@ -9,7 +9,8 @@ that peaks at lr = 3e-3), writes a checkpoint folder and result.json, and can be
 `foreign_result` names a checkpoint outside the campaign in its result. `oom` allocates until
 an allocation fails (under `launch.memory_limit_gib`; it gives up after
 `FAKE_MEMBER_ALLOCATE_GIB`, default 4, without one); `disk_full` makes the checkpoint write
-fail with ENOSPC through `PBT_FAULT_AT`. Both are reported as the real worker reports them
+fail with ENOSPC through `PBT_FAULT_AT`. `reward` scores the first training row with the
+manifest's reward through the real `Reward` (a faulty one raises `RewardError`). All are reported as the real worker reports them
 (`pbt.protocol.faults`). With `FAKE_MEMBER_CHECKPOINT=real` the checkpoint is a real one
 (`pbt.algorithms.checkpoint`, a tensor and the state), written and read as members do.
 """
@@ -68,6 +69,8 @@ def run_task(task_path: Path) -> None:
         try:
             if behaviour == "oom":
                 allocate(float(os.environ.get("FAKE_MEMBER_ALLOCATE_GIB", "4")))
+            if behaviour == "reward":
+                score_reward(task)
             parent = {"fitness": 0.0, "steps": 0}
             if task["parent_checkpoint"]:
                 parent = load_state(campaign / task["parent_checkpoint"])
@@ -99,6 +102,18 @@ def run_task(task_path: Path) -> None:
         result["checkpoint"] = "checkpoints/../../outside"
     if behaviour != "no_result":
         write_json_atomic(task_path.parent / "result.json", result)
+
+
+def score_reward(task: dict) -> None:
+    """Score the task's first training row, its answer as the completion, with the manifest's
+    reward, as a member's learner does."""
+    from pbt.algorithms.tasks import load_task
+    from pbt.config.loader import manifest_from_dict
+
+    manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
+    loaded = load_task(manifest.task, manifest.base_dir, manifest.training.seed)
+    row = loaded.train[0]
+    loaded.reward([row], [str(row.answer)])
 
 
 def allocate(most_gib: float) -> None:
