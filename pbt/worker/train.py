@@ -22,6 +22,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from pbt.algorithms.stall import StallWatch
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
@@ -142,6 +143,9 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
     cfg = manifest.training
     learner, task = member.learner, member.task
     started = time.perf_counter()
+    watch = StallWatch(
+        cfg.steps, manifest.optim.lr, manifest.rollout.max_output_tokens, manifest.model.name
+    )
 
     def evaluate() -> float:
         fitness = learner.evaluate(task.eval, task.reward, cfg.eval_temperature)
@@ -153,6 +157,9 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
         log.record({"step": step, **metrics})
         if step % cfg.log_every == 0 or step == cfg.steps:
             log.say(f"step {step:>4}/{cfg.steps}  {learner.describe(metrics)}")
+        stalled = watch.observe(metrics)
+        if stalled:
+            log.say(f"warning: step {step}: {stalled}")
 
     first = evaluate()
     while learner.step < cfg.steps:

