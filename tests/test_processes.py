@@ -23,8 +23,10 @@ from support import (
 from test_campaign import FAKE, MANIFEST
 
 from pbt.cli.main import main
+from pbt.controller.campaign import Campaign
 from pbt.controller.launch import member_command
 from pbt.controller.processes import end_campaign_processes
+from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
 from pbt.protocol.controller import (
     CAMPAIGN_ENV,
@@ -90,6 +92,26 @@ def test_a_watched_controllers_death_is_seen_within_the_bound(monkeypatch):
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen and seen[0][0] == child.pid and seen[0][1] - killed < 1.0
+
+
+def test_status_tells_a_running_controller_from_a_gone_one(tmp_path):
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST)
+    directory = tmp_path / "c"
+    campaign = Campaign.start(manifest, directory, member_command=["true"])
+    try:
+        for m in campaign.store.members(0):
+            m.status, m.attempts = "running", 1
+            campaign.store.update_member(m)
+        live = status_text(directory)
+    finally:
+        campaign.close()
+    gone = status_text(directory)
+    rows = {text: [line.split()[2] for line in text.splitlines() if line.startswith("g000-")]
+            for text in (live, gone)}  # fmt: skip
+    assert "controller:" not in live and "\nrunning:\n" in live
+    assert set(rows[live]) == {"running"} and set(rows[gone]) == {"interrupted"}
+    assert f"controller: none running (the last was pid {os.getpid()} on " in gone
+    assert "\nlast seen running:\n" in gone
 
 
 @pytest.mark.integration
@@ -160,8 +182,8 @@ def test_a_dead_controllers_workers_end_and_status_says_what_to_run(tmp_path, ca
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
     out = capsys.readouterr().out
     assert (
-        f"controller: not running: the last one (pid {proc.pid} on {socket.gethostname()}) has "
-        f"ended without finishing the campaign; continue it with: pbt resume {directory}"
+        f"controller: none running (the last was pid {proc.pid} on {socket.gethostname()}), and "
+        f"the campaign has work left: continue it with: pbt resume {directory}"
     ) in out, out
     [row] = [line for line in out.splitlines() if line.startswith("g000-m00 ")]
     assert row.split()[2] == "interrupted", out

@@ -15,8 +15,8 @@ port 0, read back by its ranks), so no other process can take the port between i
 its bind; a command of the caller's that names ``{port}`` gets one that was free when chosen.
 Every process of a task carries the campaign and the controller in its environment
 (:mod:`pbt.protocol.controller`): a long-lived worker ends soon after its controller dies, and
-a resumed controller ends whatever its predecessor left running. :mod:`pbt.controller.slurm` runs the same tasks as Slurm
-jobs behind the same ``run`` contract; a process group there is a job.
+a resumed controller ends whatever its predecessor left running. :mod:`pbt.controller.slurm` runs
+the same tasks as Slurm jobs behind the same ``run`` contract; a process group there is a job.
 
 A member that fails for want of memory or disk, because its training diverged, because a
 reward function failed, or on a configuration error, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
@@ -25,7 +25,8 @@ failed member's outcome starts with the cause its worker reported and the worker
 (torchrun's agent exits 1 whatever its worker's code; without a report, the code is read from
 the agent's summary in the log). The task's log holds the failure's account: a long-lived
 worker that failed outside its task (before taking it, say) leaves it in its own log, whose
-last lines are copied into the task's. With a memory limit, every process of a member's group starts under ``RLIMIT_DATA``.
+last lines are copied into the task's. With a memory limit, every process of a member's group
+starts under ``RLIMIT_DATA``.
 """
 
 from __future__ import annotations

@@ -79,13 +79,13 @@ def _controller_gone(directory: Path) -> str | None:
     except (OSError, PbtError):
         return None
     record = last_controller(directory) or {}
-    who = ""
+    last = ""
     if isinstance(record.get("pid"), int):
-        who = f" (pid {record['pid']}" + (f" on {record['host']}" if record.get("host") else "")
-        who += ")"
+        last = f" (the last was pid {record['pid']}"
+        last += f" on {record['host']})" if record.get("host") else ")"
     return (
-        f"controller: not running: the last one{who} has ended without finishing the campaign; "
-        f"continue it with: pbt resume {shlex.quote(str(directory))}"
+        f"controller: none running{last}, and the campaign has work left: continue it with: "
+        f"pbt resume {shlex.quote(str(directory))}"
     )
 
 
