@@ -312,3 +312,31 @@ def test_a_broken_parent_checkpoint_is_replaced_without_retries(
     broken_lines = status.split("broken checkpoints", 1)[1].splitlines()
     assert broken_lines[1].startswith(f"  {broken}  (parent of "), status
     assert all(member in broken_lines[1] for member in hit)
+
+
+def test_an_artifact_folder_with_links_out_uploads_none_of_their_targets(tmp_path, victim):
+    """The best member's adapter logged as an artifact, with links to a file and a folder
+    outside planted in it (or the folder itself a link): only its plain files are uploaded."""
+    from mlflow import MlflowClient
+
+    from pbt.controller.tracking import Tracker, default_uri
+
+    adapter = tmp_path / "c" / "checkpoints" / "g000-m00" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "leak.txt").symlink_to(victim / "precious.txt")
+    (adapter / "subdir").symlink_to(victim)
+    (tmp_path / "linked").symlink_to(victim)
+    uri, journal = default_uri(tmp_path), tmp_path / "journal"
+    with Tracker(uri, "hostile", journal) as tracker:
+        tracker.start_run("m0", name="m0")
+        tracker.log_artifact("m0", adapter, "best_adapter")
+        tracker.log_artifact("m0", tmp_path / "linked", "linked")
+        assert tracker.flush(timeout=60)
+        run_id = tracker.run_id("m0")
+    client = MlflowClient(tracking_uri=uri)
+    listed = [a.path for a in client.list_artifacts(run_id, "best_adapter/adapter")]
+    assert listed == ["best_adapter/adapter/adapter_config.json"]
+    assert client.list_artifacts(run_id, "linked") == []
+    copies = [p for p in journal.rglob("*") if "precious" in p.name or p.is_symlink()]
+    assert copies == []
