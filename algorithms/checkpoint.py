@@ -14,6 +14,11 @@ that fails (a full disk: ``ENOSPC``; a file-size limit: ``EFBIG``) removes its t
 directory, leaves the previous checkpoint as it was, and raises a :class:`CheckpointError` that
 names the errno and the path. Loading checks every digest before deserialising anything, and
 deserialises with ``weights_only=True`` so a file cannot run code.
+
+A checkpoint is the files its manifest lists, nothing else: verifying, loading, inspecting and
+exporting read only those, and refuse, in one line naming the path, a checkpoint that holds a
+symbolic link or anything but plain files and folders (a link would lead a reader out of the
+folder, a pipe would hang it) or whose manifest names a path that leaves the folder.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from collections.abc import Iterator
@@ -254,23 +260,65 @@ def _replace_dir(tmp: Path, path: Path) -> None:
 
 
 def verify_checkpoint(path: str | Path, contents: dict[str, bytes] | None = None) -> str:
-    """Check the manifest and every file's digest; return the checkpoint's digest.
+    """Check the folder, the manifest and every listed file's digest; return the checkpoint's
+    digest.
 
     ``contents`` holds files already read (by relative name), hashed instead of read again.
 
     Raises:
-        CheckpointError: saying what is missing, unreadable, altered or too new.
+        CheckpointError: saying what is missing, unreadable, altered, too new, a link, or a
+            path that leaves the folder.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    text, files = _manifest(path)
+    for name, expected in files.items():
+        data = (contents or {}).get(name)
+        actual = hashlib.sha256(_read_plain(path, name) if data is None else data).hexdigest()
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} does not match its digest (altered or truncated)"
+            )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def checkpoint_files(path: str | Path) -> list[str]:
+    """The files of a verified checkpoint (relative names, sorted): those its manifest lists.
+
+    Raises:
+        CheckpointError: as :func:`verify_checkpoint`.
+    """
+    verify_checkpoint(path)
+    return sorted(_manifest(Path(path))[1])
+
+
+def read_checkpoint_file(path: str | Path, name: str) -> bytes:
+    """The bytes of file ``name`` (as the manifest lists it) of checkpoint ``path``, read without
+    following a link.
+
+    Raises:
+        CheckpointError: it is missing, a link, not a plain file, or outside the folder.
+    """
+    _check_name(Path(path), name)
+    return _read_plain(Path(path), name)
+
+
+def _manifest(path: Path) -> tuple[str, dict[str, str]]:
+    """The manifest's text and its files (name -> sha256), once the folder holds nothing but
+    plain files and folders and every name listed stays inside it.
+
+    Raises:
+        CheckpointError: what is wrong, naming the path.
+    """
+    _check_tree(path)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete")
     try:
-        text = (path / MANIFEST).read_text()
+        text = _read_plain(path, MANIFEST).decode()
         manifest = json.loads(text)
         files = manifest["files"]
         version = int(manifest["format_version"])
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete") from None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise TypeError("files must map names to digests")
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({err})") from None
     if version > FORMAT_VERSION:
@@ -281,17 +329,69 @@ def verify_checkpoint(path: str | Path, contents: dict[str, bytes] | None = None
     for required in (ATTRIBUTES, f"{ADAPTER_DIR}/adapter_model.safetensors"):
         if required not in files:
             raise CheckpointError(f"checkpoint {path}: manifest does not list {required}")
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: {name} is missing")
-        data = (contents or {}).get(name)
-        actual = _sha256(file) if data is None else hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} does not match its digest (altered or truncated)"
-            )
-    return hashlib.sha256(text.encode()).hexdigest()
+    for name in files:
+        _check_name(path, name)
+    return text, files
+
+
+def _check_tree(path: Path) -> None:
+    """Refuse a checkpoint folder that does not exist or holds anything but plain files and
+    folders (a symbolic link, to a file or a folder, inside or outside; a pipe; a device).
+    The folder itself may be reached through a link: its caller named it."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    for folder, dirs, names in os.walk(path, onerror=_raise):  # never follows a link
+        for name in [*dirs, *names]:
+            entry = Path(folder) / name
+            mode = entry.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(
+                    f"checkpoint {path}: {entry.relative_to(path)} is a symbolic link (to "
+                    f"{os.readlink(entry)}); a checkpoint holds plain files only, so it was "
+                    "refused and nothing was read through it"
+                )
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise CheckpointError(
+                    f"checkpoint {path}: {entry.relative_to(path)} is not a plain file or "
+                    "folder; a checkpoint holds plain files only, so it was refused"
+                )
+
+
+def _raise(err: OSError) -> None:
+    raise CheckpointError(f"checkpoint folder {err.filename} cannot be read ({err.strerror})")
+
+
+def _check_name(path: Path, name: object) -> None:
+    """Refuse a name in the manifest that is not a plain relative path inside the folder."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} lists {name!r}, which is not a path inside the "
+            "checkpoint folder; it was refused and nothing was read"
+        )
+
+
+def _read_plain(path: Path, name: str) -> bytes:
+    """Read ``path / name``: a plain file, never through a link (``O_NOFOLLOW`` on the file,
+    and no folder on the way may be a link)."""
+    file = path / name
+    try:
+        for parent in list(Path(name).parents)[:-1]:  # the folders between, innermost first
+            if (path / parent).is_symlink():
+                raise CheckpointError(f"checkpoint {path}: {parent} is a symbolic link; refused")
+        fd = os.open(
+            file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {name} is missing") from None
+    except OSError as err:
+        raise CheckpointError(
+            f"checkpoint {path}: {name} cannot be read as a plain file ({err.strerror}); refused"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"checkpoint {path}: {name} is not a plain file; refused")
+        return f.read()
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -301,9 +401,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         CheckpointError: the checkpoint fails verification or holds anything but plain data.
     """
     path = Path(path)
+    _check_tree(path)  # before a byte is read: nothing through a link, nothing that blocks
     try:  # read once: the digest is checked on these bytes, and they are what is loaded
-        data = (path / ATTRIBUTES).read_bytes()
-    except OSError:
+        data = _read_plain(path, ATTRIBUTES)
+    except CheckpointError:
         data = None  # verify_checkpoint says what is wrong
     digest = verify_checkpoint(path, None if data is None else {ATTRIBUTES: data})
     try:

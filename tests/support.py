@@ -149,6 +149,33 @@ def start_campaign(
     return subprocess.Popen([sys.executable, "-c", script], env=env, **popen)
 
 
+def campaign_processes(directory: Path) -> list[str]:
+    """A census: every live process but this one whose command line or environment names the
+    campaign folder ``directory``, as ``pid: command line``."""
+    marker = str(Path(directory).resolve()).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            if marker in cmdline or marker in (entry / "environ").read_bytes():
+                found.append(f"{entry.name}: {cmdline.replace(bytes(1), b' ').decode()[:200]}")
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_no_processes(directory: Path, within_s: float) -> list[str]:
+    """:func:`campaign_processes` once it is empty, or when ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while (found := campaign_processes(directory)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 def run_torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc --standalone ARGS`` on the CPU; fails the test unless it
     exits 0."""

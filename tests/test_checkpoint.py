@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pickle
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +16,10 @@ from peft import PeftModel
 from support import small_manifest
 from transformers import AutoModelForCausalLM
 
-from pbt.algorithms.checkpoint import load_checkpoint, verify_checkpoint
+from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from pbt.algorithms.member import Member
 from pbt.algorithms.models import resolve_model_path
+from pbt.cli.main import main
 from pbt.config.errors import CheckpointError
 from pbt.distributed.state import DeviceCopies, gather_optimizer, load_optimizer
 
@@ -245,3 +251,91 @@ def test_snapshot_on_a_gpu_travels_in_the_background_and_keeps_its_moment(tmp_pa
     restored.load(tmp_path / "background")
     assert child_rewards == _train(restored, 2)
     assert all(torch.equal(a, b) for a, b in zip(kept, leaves, strict=True))
+
+
+# -- a checkpoint is the files its manifest lists, nothing else --------------------------------
+
+
+def _plain_checkpoint(path: Path) -> Path:
+    """A small real checkpoint, written as members write theirs."""
+    attributes = {"trainable": {"base_model.x.lora_A.weight": torch.ones(2, 2)}, "step": 3}
+    save_checkpoint(path, attributes, {"peft_type": "LORA"})
+    return path
+
+
+def _link_to_a_file(ckpt: Path, outside: Path) -> str:
+    (ckpt / "adapter" / "leak.txt").symlink_to(outside / "secret.txt")
+    return "adapter/leak.txt"
+
+
+def _link_to_a_folder(ckpt: Path, outside: Path) -> str:
+    (ckpt / "adapter" / "subdir").symlink_to(outside)
+    return "adapter/subdir"
+
+
+def _weights_through_a_link(ckpt: Path, outside: Path) -> str:
+    """The weights moved outside and linked back: every digest still matches."""
+    weights = ckpt / "adapter" / "adapter_model.safetensors"
+    weights.rename(outside / "weights.safetensors")
+    weights.symlink_to(outside / "weights.safetensors")
+    return "adapter/adapter_model.safetensors"
+
+
+def _manifest_leaving_the_folder(ckpt: Path, outside: Path) -> str:
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    name = "adapter/../../outside/secret.txt"
+    manifest["files"][name] = hashlib.sha256((outside / "secret.txt").read_bytes()).hexdigest()
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return name
+
+
+HOSTILE = {
+    "a link to a file outside": _link_to_a_file,
+    "a link to a folder outside": _link_to_a_folder,
+    "its weights through a link": _weights_through_a_link,
+    "a manifest naming a path outside": _manifest_leaving_the_folder,
+}
+
+
+@pytest.mark.parametrize("hostile", list(HOSTILE))
+def test_links_and_paths_out_of_a_checkpoint_are_refused_by_export_inspect_and_load(
+    tmp_path, capsys, hostile
+):
+    """Each refused in one line naming the path, before a byte is read through it: no export
+    folder, nothing of the outside file in any output."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("SECRET outside the campaign\n")
+    ckpt = _plain_checkpoint(tmp_path / "campaign" / "checkpoints" / "g000-m00")
+    named = HOSTILE[hostile](ckpt, outside)
+    for argv in (["export", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"error: checkpoint {ckpt}") and named in err, err
+        assert "SECRET" not in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        load_checkpoint(ckpt)
+
+
+def test_export_copies_only_the_files_the_manifest_lists(tmp_path, capsys):
+    ckpt = _plain_checkpoint(tmp_path / "ckpt")
+    (ckpt / "adapter" / "notes.txt").write_text("not part of the checkpoint")
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    same = (tmp_path / "out" / "adapter_model.safetensors").read_bytes()
+    assert same == (ckpt / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_a_pipe_in_a_checkpoint_is_refused_without_waiting_on_it(tmp_path):
+    ckpt = _plain_checkpoint(tmp_path / "ckpt")
+    (ckpt / "attributes.pt").unlink()
+    os.mkfifo(ckpt / "attributes.pt")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"attributes\.pt is not a plain file"):
+        load_checkpoint(ckpt)
+    assert time.monotonic() - started < 5

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from support import start_campaign, write_manifest
 from pbt.config import RewardRef
 from pbt.config.errors import ConfigError, PbtError
 from pbt.controller.campaign import Campaign
+from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
 from pbt.protocol.paths import inside, plain_name
 
@@ -229,3 +231,112 @@ def test_reward_files_load_only_from_where_the_manifest_says(tmp_path, monkeypat
         for name, module in list(sys.modules.items())
         if str(getattr(module, "__file__", None) or "").startswith(str(decoy))
     ]
+
+
+# -- a broken parent checkpoint ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A campaign of real checkpoints killed right after generation 0's commit, generation 1
+    drawn and not started, 3 attempts a member (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("drawn")
+    manifest = write_manifest(
+        root / "manifest.yaml", MANIFEST, budget={"generations": 2}, launch={"max_attempts": 3}
+    )
+    env = {"PBT_CRASH_AT": "commit:1", "FAKE_MEMBER_CHECKPOINT": "real"}
+    proc = start_campaign(manifest, root / "c", FAKE, 0.05, env, stdout=subprocess.DEVNULL)
+    assert proc.wait(timeout=180) < 0
+    return root / "c"
+
+
+def _flip_a_byte(ckpt: Path, victim: Path) -> None:
+    data = bytearray((ckpt / "attributes.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpt / "attributes.pt").write_bytes(bytes(data))
+
+
+def _truncate(ckpt: Path, victim: Path) -> None:
+    data = (ckpt / "attributes.pt").read_bytes()
+    (ckpt / "attributes.pt").write_bytes(data[: len(data) // 2])
+
+
+def _drop_the_manifest(ckpt: Path, victim: Path) -> None:
+    (ckpt / "manifest.json").unlink()
+
+
+def _plant_links(ckpt: Path, victim: Path) -> None:
+    (ckpt / "adapter" / "leak.txt").symlink_to(victim / "precious.txt")
+    (ckpt / "adapter" / "subdir").symlink_to(victim)
+
+
+BREAKS = {
+    "a byte flipped": _flip_a_byte,
+    "truncated": _truncate,
+    "no manifest": _drop_the_manifest,
+    "symbolic links out": _plant_links,
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", list(BREAKS))
+def test_a_broken_parent_checkpoint_is_replaced_without_retries(
+    tmp_path, victim, drawn, damage, monkeypatch
+):
+    """The resumed campaign's members whose parent checkpoint is broken fail once
+    (``bad_checkpoint``, naming it) and are replaced at once: the same checkpoint would fail
+    every retry the same way. The others train; ``pbt status`` names the broken checkpoint."""
+    directory = Path(shutil.copytree(drawn, tmp_path / "c", symlinks=True))
+    with CampaignStore(directory / "store.db") as store:
+        children = store.members(1)
+    parents = [m.parent_checkpoint for m in children]
+    broken = min(parents, key=parents.count)  # one that some children load, not all
+    hit = {m.member_id for m in children if m.parent_checkpoint == broken}
+    assert 0 < len(hit) < len(children), parents
+    before = _tree(victim)
+    BREAKS[damage](directory / broken, victim)
+    monkeypatch.setenv("FAKE_MEMBER_CHECKPOINT", "real")
+    said: list[str] = []
+    _run(Campaign.resume(directory, member_command=FAKE), said)
+    with CampaignStore(directory / "store.db") as store:
+        faults = [(f["member_id"], f["attempt"], f["kind"]) for f in store.faults()]
+        details = [f["detail"] for f in store.faults() if f["kind"] == "bad_checkpoint"]
+        assert all(m.status == "done" for m in store.members(1))
+    assert sorted(faults) == sorted(
+        (member, 1, kind) for member in hit for kind in ("bad_checkpoint", "replaced")
+    )
+    assert all(f"checkpoint {directory.resolve() / broken}" in d for d in details), details
+    assert not [p for p in (directory / "logs").glob("g001-*.attempt2.log")]  # no retry
+    assert _tree(victim) == before
+    status = status_text(directory)
+    broken_lines = status.split("broken checkpoints", 1)[1].splitlines()
+    assert broken_lines[1].startswith(f"  {broken}  (parent of "), status
+    assert all(member in broken_lines[1] for member in hit)
+
+
+def test_an_artifact_folder_with_links_out_uploads_none_of_their_targets(tmp_path, victim):
+    """The best member's adapter logged as an artifact, with links to a file and a folder
+    outside planted in it (or the folder itself a link): only its plain files are uploaded."""
+    from mlflow import MlflowClient
+
+    from pbt.controller.tracking import Tracker, default_uri
+
+    adapter = tmp_path / "c" / "checkpoints" / "g000-m00" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "leak.txt").symlink_to(victim / "precious.txt")
+    (adapter / "subdir").symlink_to(victim)
+    (tmp_path / "linked").symlink_to(victim)
+    uri, journal = default_uri(tmp_path), tmp_path / "journal"
+    with Tracker(uri, "hostile", journal) as tracker:
+        tracker.start_run("m0", name="m0")
+        tracker.log_artifact("m0", adapter, "best_adapter")
+        tracker.log_artifact("m0", tmp_path / "linked", "linked")
+        assert tracker.flush(timeout=60)
+        run_id = tracker.run_id("m0")
+    client = MlflowClient(tracking_uri=uri)
+    listed = [a.path for a in client.list_artifacts(run_id, "best_adapter/adapter")]
+    assert listed == ["best_adapter/adapter/adapter_config.json"]
+    assert client.list_artifacts(run_id, "linked") == []
+    copies = [p for p in journal.rglob("*") if "precious" in p.name or p.is_symlink()]
+    assert copies == []

@@ -608,3 +608,24 @@ def test_a_child_of_a_parent_being_written_starts_on_the_worker_writing_it(tmp_p
     else:  # b0's parent is not the state its worker wrote: a fresh start on a fresh worker
         assert kept == ["b1"]
         assert later[0].result["began"] > returned and later[0].result["served"] == 1
+
+
+def test_a_worker_that_fails_before_its_task_leaves_its_traceback_in_the_tasks_log(tmp_path):
+    """A long-lived worker that dies before it takes its task (torchrun's agent failing to
+    bind, say) writes its traceback to its own log, which the slot's next worker replaces: the
+    task's log, the one the fault names, gets its last lines."""
+    from pbt.controller.launch import PersistentLauncher
+
+    crash = "raise OSError(98, 'Address already in use (EADDRINUSE)')"
+    workers = PersistentLauncher(
+        [sys.executable, "-c", crash], tmp_path / "workers", slots=1, poll_s=0.05
+    )
+    task = make_task(tmp_path, "t0", "ok")
+    try:
+        [outcome] = workers.run([task])
+    finally:
+        workers.close()
+    assert outcome.status == "failed" and "exit code 1" in outcome.detail
+    log = Path(task.log_path).read_text()
+    assert "OSError: [Errno 98] Address already in use (EADDRINUSE)" in log
+    assert f"last lines of {tmp_path / 'workers' / 'slot0' / 'worker.log'}" in log

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import start_campaign, write_manifest
+from support import campaign_processes, start_campaign, write_manifest
 from test_campaign import FAKE, MANIFEST
 
 from pbt.cli.main import main
@@ -25,6 +25,7 @@ from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.budget import with_budget
 from pbt.controller.campaign import Campaign
+from pbt.controller.launch import member_command
 from pbt.controller.lock import ControllerLock, controller_running
 from pbt.controller.store import CampaignStore
 
@@ -228,6 +229,39 @@ def test_killed_process_group_resumes_at_once(tmp_path, straight, moment):
         if child is not None:
             os.kill(child, signal.SIGKILL)
     assert _campaign(directory) == _campaign(straight[1])
+
+
+TORCHRUN_FAKE = [*member_command()[:-2], FAKE[1]]
+"""The default member command (torchrun: an agent and its rank, each in a session of its own)
+with the fake member in place of ``-m pbt.worker``."""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("point", ["store:3", "commit:2"])
+def test_a_kill_at_the_final_commit_leaves_no_process_after_the_resume(tmp_path, point):
+    """The controller of a two-generation campaign on long-lived workers is killed inside the
+    final generation's commit (``store:3``: generation 0's creation and commit came first) or
+    right after it (``commit:2``); its workers (torchrun agents and their ranks) live on.
+    ``pbt resume`` finishes the campaign, and a census then finds no process of it."""
+    launch = {"persistent_workers": True, "slots": 2, "heartbeat_timeout_s": 60}
+    manifest = write_manifest(
+        tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 2}, launch=launch
+    )
+    directory = tmp_path / "campaign"
+    proc = start_campaign(
+        manifest, directory, TORCHRUN_FAKE, 0.05, {"PBT_CRASH_AT": point},
+        stdout=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.wait(timeout=180) == -signal.SIGKILL
+        assert len(campaign_processes(directory)) >= 2  # the killed controller's workers
+        assert main(["resume", str(directory)]) == 0
+        assert campaign_processes(directory) == []
+        with CampaignStore(directory / "store.db") as store:
+            assert store.last_committed_generation() == 1 and store.faults() == []
+    finally:
+        for line in campaign_processes(directory):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 # -- a finished campaign, and a budget raised by resume ------------------------------------

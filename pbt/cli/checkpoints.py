@@ -1,13 +1,16 @@
 """``pbt inspect`` and ``pbt export``: read any checkpoint, verified, without training.
 
 These commands load torch (a checkpoint is torch data) but no model unless ``--merge`` asks
-for one; the controller never calls them.
+for one; the controller never calls them. Both read only the files the checkpoint's manifest
+lists, never through a symbolic link (:mod:`pbt.algorithms.checkpoint`): a checkpoint that holds
+one is refused, and an export copies the listed adapter files' verified bytes, nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 from pbt.config import QuantizationConfig
@@ -55,29 +58,57 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
     replaced by what the adapter saw in training.
 
     Raises:
-        PbtError: ``out`` exists, or the checkpoint fails verification.
+        PbtError: ``out`` exists, or the checkpoint fails verification (a symbolic link in it
+            included).
     """
-    from pbt.algorithms.checkpoint import ADAPTER_DIR, load_checkpoint, verify_checkpoint
+    from pbt.algorithms.checkpoint import load_checkpoint
 
     if out.exists():
         raise PbtError(f"{out} already exists; choose a new output folder")
-    verify_checkpoint(path)
     if not merge:
-        shutil.copytree(path / ADAPTER_DIR, out)
+        _copy_adapter(path, out)
         return out
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = json.loads((path / ADAPTER_DIR / "adapter_config.json").read_text())
-    base_path = config["base_model_name_or_path"]
     quantization = load_checkpoint(path).get("quantization")
-    if quantization is not None:
-        from pbt.algorithms.models import dequantized_base
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = _copy_adapter(path, Path(tmp) / "adapter")
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        base_path = config["base_model_name_or_path"]
+        if quantization is not None:
+            from pbt.algorithms.models import dequantized_base
 
-        base = dequantized_base(base_path, QuantizationConfig(**quantization))
-    else:
-        base = AutoModelForCausalLM.from_pretrained(base_path)
-    merged = PeftModel.from_pretrained(base, path / ADAPTER_DIR).merge_and_unload()
+            base = dequantized_base(base_path, QuantizationConfig(**quantization))
+        else:
+            base = AutoModelForCausalLM.from_pretrained(base_path)
+        merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
+    return out
+
+
+def _copy_adapter(path: Path, out: Path) -> Path:
+    """Write the adapter files ``path``'s manifest lists (and nothing else) to a new folder
+    ``out``, each the bytes whose digest was checked; no file is written unless all verify."""
+    from pbt.algorithms.checkpoint import (
+        ADAPTER_DIR,
+        checkpoint_files,
+        read_checkpoint_file,
+        verify_checkpoint,
+    )
+
+    prefix = f"{ADAPTER_DIR}/"
+    names = [n for n in checkpoint_files(path) if n.startswith(prefix)]
+    contents = {name: read_checkpoint_file(path, name) for name in names}
+    verify_checkpoint(path, contents)  # the bytes read are the ones whose digests hold
+    out.mkdir(parents=True)
+    try:
+        for name, data in contents.items():
+            target = out / name[len(prefix) :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return out

@@ -67,6 +67,7 @@ from pbt.controller.population import (
     initial_records,
     selection_events,
 )
+from pbt.controller.processes import end_campaign_processes
 from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
 from pbt.controller.search import study_storage
 from pbt.controller.store import STORE_FILENAME, CampaignStore
@@ -210,6 +211,7 @@ class Campaign:
             raw = raw | {"manifest": sections}
         campaign = cls(directory, raw, manifest, member_command)
         try:
+            campaign._end_leftovers()
             if campaign.store.last_committed_generation() is None:
                 # the start crashed before generation 0 was committed: whatever its draws left
                 # in the studies is discarded, and generation 0 drawn again, the same way
@@ -248,12 +250,20 @@ class Campaign:
         reached = exhausted(self.manifest.budget, self._spent_at(last))
         return reached[0] if reached else None
 
+    def _end_leftovers(self) -> None:
+        """End every process a previous controller of this campaign left running (its
+        long-lived workers, its members, their ranks): nothing of it may outlive this one."""
+        ended = end_campaign_processes(self.dir)
+        if ended:
+            self.say(f"ended {len(ended)} processes the previous controller left running")
+
     def close(self) -> None:
-        """Stop the long-lived workers, send what is left to the tracking store, then release
-        the store and the lock."""
+        """Stop the long-lived workers (and any process of the campaign still alive), send
+        what is left to the tracking store, then release the store and the lock."""
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        end_campaign_processes(self.dir)
         if self._mps is not None:
             self._mps.stop()
             self._mps = None
@@ -306,6 +316,7 @@ class Campaign:
                 _controller_state(rng, elapsed, gpu_seconds),
                 best_pair,
             )
+            crash_point("commit")
             self.log.generation_committed(generation, finished)
             self._trials().record(generation, finished, final=bool(reason))
             self.say(
@@ -634,6 +645,7 @@ class Campaign:
             heartbeat_timeout_s=launch.heartbeat_timeout_s,
             task_timeout_s=launch.task_timeout_s,
             env=env,
+            campaign_dir=self.dir,
             memory_limit_bytes=(
                 None if launch.memory_limit_gib is None else int(launch.memory_limit_gib * 2**30)
             ),
@@ -695,10 +707,10 @@ class Campaign:
         self.say(f"  {m.member_id} {outcome.status} ({of}): {reason}; {action} (log: {log})")
 
     def _replace(self, m: MemberRecord, generation: int, outcome: Outcome) -> None:
-        """After its last failed attempt (its first, on a configuration error, which would
-        fail again the same way), a member becomes a clone of the generation's best finished
-        member, or of its own parent when none has finished; with neither, the campaign stops
-        with the member's cause."""
+        """After its last failed attempt (its first, on a configuration error or a broken
+        parent checkpoint, which would fail again the same way), a member becomes a clone of
+        the generation's best finished member, or of its own parent (unless that is broken)
+        when none has finished; with neither, the campaign stops with the member's cause."""
         done = [x for x in self.store.members(generation) if x.status == "done"]
         window = self.manifest.population.fitness_window
         if done:
@@ -707,7 +719,7 @@ class Campaign:
             m.fitness_history, m.steps = list(source.fitness_history), source.steps
             m.hyperparameters = dict(source.hyperparameters)
             detail = f"replaced by a clone of {source.member_id} after {m.attempts} failed attempts"
-        elif m.parent_checkpoint:
+        elif m.parent_checkpoint and outcome.status != "bad_checkpoint":
             m.checkpoint = m.parent_checkpoint
             detail = f"replaced by its parent {m.parent_id} after {m.attempts} failed attempts"
         else:
@@ -723,11 +735,13 @@ class Campaign:
         times = "once" if m.attempts == 1 else f"{m.attempts} times"
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         fix = f"see {log}"
-        if outcome.status in NOT_RETRIED:
+        if outcome.status in ("config_error", "reward_error"):
             fix = (
                 "fix the manifest or its reward and start the campaign again (pbt check "
                 "MANIFEST first)"
             )
+        if outcome.status == "bad_checkpoint":
+            fix = f"restore {m.parent_checkpoint} from a backup, or start the campaign again"
         return (
             f"{m.member_id} failed {times} ({outcome.status}: {cause}) and no member of "
             f"generation {generation} finished to replace it; {fix}"

@@ -9,17 +9,24 @@ The protocol, all JSON files in one task directory, all written atomically:
 - on success the member writes ``result.json`` with at least ``{"status": "ok"}``.
 
 :class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
-the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs) and its own
-rendezvous port, and the rest queue. :mod:`pbt.controller.slurm` runs the same tasks as Slurm
-jobs behind the same ``run`` contract; a process group there is a job.
+the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs), and the rest
+queue. The default command lets torchrun bind its rendezvous port itself (``--standalone``:
+port 0, read back by its ranks), so no other process can take the port between its choice and
+its bind; a command of the caller's that names ``{port}`` gets one that was free when chosen.
+Every process of a task carries the campaign and the controller in its environment
+(:mod:`pbt.protocol.controller`): a long-lived worker ends soon after its controller dies, and
+a resumed controller ends whatever its predecessor left running. :mod:`pbt.controller.slurm` runs
+the same tasks as Slurm jobs behind the same ``run`` contract; a process group there is a job.
 
 A member that fails for want of memory or disk, because its training diverged, because a
 reward function failed, or on a configuration error, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
 ``out_of_memory``, ``disk_full``, ``diverged``, ``reward_error`` or ``config_error`` rather than ``failed``. Any
 failed member's outcome starts with the cause its worker reported and the worker's own exit code
 (torchrun's agent exits 1 whatever its worker's code; without a report, the code is read from
-the agent's summary in the log). With a memory limit, every process of a member's group starts
-under ``RLIMIT_DATA``.
+the agent's summary in the log). The task's log holds the failure's account: a long-lived
+worker that failed outside its task (before taking it, say) leaves it in its own log, whose
+last lines are copied into the task's. With a memory limit, every process of a member's group
+starts under ``RLIMIT_DATA``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from pbt.controller.processes import (
     port_is_free,
 )
 from pbt.protocol import faults
+from pbt.protocol.controller import CAMPAIGN_ENV, CONTROLLER_ENV, controller_token
 from pbt.protocol.crash import crash_point
 from pbt.protocol.files import RELEASED, read_json, write_json_atomic
 
@@ -67,6 +75,7 @@ OutcomeStatus = Literal[
     "diverged",
     "reward_error",
     "config_error",
+    "bad_checkpoint",
     "cancelled",
     "preempted",
     "node_fail",
@@ -76,16 +85,17 @@ STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
 
 
 def member_command() -> list[str]:
-    """The default member command: ``pbt.worker`` under torchrun, one node, the rank count and
-    port filled in by the launcher (``{nproc}``, ``{port}``)."""
+    """The default member command: ``pbt.worker`` under torchrun, one node, the rank count
+    filled in by the launcher (``{nproc}``). ``--standalone``: the agent binds its rendezvous
+    store on port 0 and its ranks read the port back from it, so two campaigns on one machine
+    never race for a port."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nnodes=1",
         "--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        "--master_port={port}",
         "-m",
         "pbt.worker",
     ]
@@ -159,8 +169,11 @@ class LocalLauncher:
             after start) is killed.
         task_timeout_s: a task running longer than this is killed; None: no limit.
         poll_s: seconds between checks of the running tasks.
-        base_port: slot ``i`` gets rendezvous port ``base_port + 10 * i`` (or the next free one).
+        base_port: for a command that names ``{port}``: slot ``i`` gets port ``base_port + 10 *
+            i`` (or the next free one). The default command needs none (``--standalone``).
         env: variables added to the inherited environment.
+        campaign_dir: the campaign the tasks belong to, named in every process's environment
+            (``PBT_CAMPAIGN``), so that a resumed controller finds what is left of them.
         memory_limit_bytes: the most memory each process of a task may allocate
             (``RLIMIT_DATA``: its heap and private mappings; not GPU memory, not the address
             space CUDA reserves); past it an allocation fails and the member reports
@@ -180,6 +193,7 @@ class LocalLauncher:
         env: dict[str, str] | None = None,
         memory_limit_bytes: int | None = None,
         members_per_gpu: int = 1,
+        campaign_dir: Path | None = None,
     ) -> None:
         groups = -(-slots // max(1, members_per_gpu))
         ids = list(range(groups * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
@@ -206,6 +220,7 @@ class LocalLauncher:
         self.heartbeat_timeout_s, self.task_timeout_s = heartbeat_timeout_s, task_timeout_s
         self.poll_s, self.base_port, self.env = poll_s, base_port, dict(env or {})
         self.memory_limit_bytes = memory_limit_bytes
+        self.campaign_dir = None if campaign_dir is None else Path(campaign_dir).resolve()
         self.started: dict[str, str] = {}
         """Task id -> the process group id (or job id) that runs its latest attempt."""
         self._next: dict[str, _Running] = {}
@@ -495,6 +510,10 @@ class LocalLauncher:
         argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
         env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
+        env[CONTROLLER_ENV] = controller_token()
+        env.pop(CAMPAIGN_ENV, None)
+        if self.campaign_dir is not None:
+            env[CAMPAIGN_ENV] = str(self.campaign_dir)
         env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         limit = self.memory_limit_bytes
@@ -510,6 +529,10 @@ class LocalLauncher:
             )
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
+        """A port for a command that names ``{port}``, free when chosen (not held: the
+        default command binds its own); 0 for a command that needs none."""
+        if not any("{port}" in arg for arg in self.command):
+            return 0
         first = self.base_port + 10 * slot
         for port in range(first, min(first + 1000, 65536)):
             if port not in taken and port_is_free(port):
@@ -709,10 +732,12 @@ class PersistentLauncher(LocalLauncher):
         outcome = super()._outcome(item, returncode, status, result, detail)
         if status == "ok":
             return outcome
-        tail = log_tail(self._folder(item.slot) / "worker.log")
+        worker_log = self._folder(item.slot) / "worker.log"
+        tail = log_tail(worker_log)
         if tail:
             detail = f"{outcome.detail}\n--- last lines of the worker's own log ---\n{tail}"
             outcome = dataclasses.replace(outcome, detail=detail)
+        _keep_worker_log(worker_log, Path(item.task.log_path))
         return outcome
 
     def _discard(self, item: _Running) -> None:
@@ -768,6 +793,26 @@ def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
     if worker is not None:
         detail = f"{detail} (worker {describe_exit(int(worker.group(1)))})"
     return status, detail if fault is None else f"{fault[1]}; {detail}"
+
+
+def _keep_worker_log(worker_log: Path, task_log: Path) -> None:
+    """Append the last lines of a failed long-lived worker's own log to its task's log when
+    only the worker's tells why (it failed before taking the task, or outside it) or the
+    task's holds nothing: the task's log is the one a fault names, and the worker's is
+    replaced when the slot's next worker starts."""
+    if not log_tail(worker_log):
+        return
+    if log_tail(task_log) and (_failure_in(task_log) or not _failure_in(worker_log)):
+        return
+    with contextlib.suppress(OSError), open(task_log, "a", encoding="utf-8") as log:
+        log.write(f"\n--- last lines of {worker_log}, where the worker failed ---\n")
+        log.write(log_tail(worker_log, 200) + "\n")
+
+
+def _failure_in(log: Path) -> bool:
+    """Whether ``log`` ends in a failure's account: a traceback or an ``error:`` line."""
+    tail = log_tail(log, 200)
+    return "Traceback (most recent call last)" in tail or "\nerror:" in f"\n{tail}"
 
 
 def _last_beat(path: Path, started_wall: float) -> float:

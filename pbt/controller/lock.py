@@ -155,6 +155,17 @@ def controller_running(directory: Path) -> dict[str, Any] | None:
     return None if verdict == "stale" else record
 
 
+def last_controller(directory: Path) -> dict[str, Any] | None:
+    """The record of the controller that last took the campaign's lock (``pid``, ``host``,
+    ...), whether or not it still runs; None when no controller ever did. Read without the
+    lock, for a display: a controller taking it at this moment may not have written it yet."""
+    try:
+        record = json.loads((Path(directory) / LOCK_FILE).read_bytes() or b"{}")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record else None
+
+
 def _judge(record: dict[str, Any]) -> tuple[Verdict, str]:
     """Whether the controller a held lock's ``record`` names is alive, exiting, or gone (the
     lock then stale), and why, in words."""
@@ -299,4 +310,4 @@ def _fix(directory: Path) -> str:
     return f"stop it with: pbt stop {directory}, or wait for it to finish"
 
 
-__all__ = ["ControllerLock", "controller_running"]
+__all__ = ["ControllerLock", "controller_running", "last_controller"]

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pbt.protocol.controller import CAMPAIGN_ENV
+
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a task's process group is stopped."""
 JOB_CANCEL_WAIT_S = 120.0
@@ -127,17 +129,48 @@ def kill_orphan(task_dir: Path, names: Path | None = None) -> bool:
     return bool(killed)
 
 
+def end_campaign_processes(directory: Path) -> list[int]:
+    """SIGKILL every live process (but this one) whose environment names the campaign in
+    ``directory`` (``PBT_CAMPAIGN``, which the local launcher gives every member process and
+    each of their children inherits), and wait for them to go; returns their ids.
+
+    Called by a controller that holds the campaign's lock, before it starts anything and before
+    it exits: whatever is found then is a killed predecessor's, or its own that a stopped
+    group left behind (torchrun's ranks run in sessions of their own). Slurm jobs never carry
+    the variable: they are adopted or cancelled, not found here.
+    """
+    marker = f"\0{CAMPAIGN_ENV}={Path(directory).resolve()}\0".encode()
+    killed: list[int] = []
+    for _ in range(3):  # a process caught starting a child: the child is found next time
+        found = [pid for pid in _processes_with(marker, "environ") if pid not in killed]
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        killed += found
+        deadline = time.monotonic() + KILL_GRACE_S
+        while any(_alive(pid) for pid in found) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return killed
+
+
 def _processes_naming(marker: bytes) -> list[int]:
     """Live processes (not this one) whose command line contains ``marker``."""
+    return _processes_with(marker, "cmdline")
+
+
+def _processes_with(marker: bytes, part: str) -> list[int]:
+    """Live processes (not this one) whose ``/proc/<pid>/<part>`` contains ``marker``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            text = b"\0" + Path(f"/proc/{entry}/{part}").read_bytes()  # each entry \0-framed
         except OSError:
             continue
-        if marker in cmdline and _alive(int(entry)):
+        if marker in text and _alive(int(entry)):
             found.append(int(entry))
     return found
 

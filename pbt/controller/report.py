@@ -1,16 +1,19 @@
 """What a campaign looks like to a person: status tables, the family tree, fitness curves.
 
-Reads the campaign store only (never the member processes), so it works while a campaign runs,
-after it stopped, and after a crash.
+Reads the campaign store and the controller lock's record only (never the member processes), so
+it works while a campaign runs, after it stopped, and after a crash; a campaign with work left
+whose controller is gone says so, and what to run.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from pathlib import Path
 
 from pbt.config.errors import PbtError
+from pbt.controller.lock import controller_running, last_controller
 from pbt.controller.progress import describe, format_duration
 from pbt.controller.slurm import WAITING, read_job
 from pbt.controller.store import STORE_FILENAME, CampaignStore
@@ -25,9 +28,11 @@ def _open(directory: Path) -> CampaignStore:
 
 
 def status_text(directory: Path) -> str:
-    """Generation, each member's status (``collapsed`` for one ended for lack of signal),
-    fitness, zero-signal fraction (mean over its steps / last step) and hyperparameters, each
-    running member's progress (from its heartbeat) and log, and every fault."""
+    """Generation, whether a controller runs it (when it has work left), each member's status
+    (``collapsed`` for one ended for lack of signal, ``interrupted`` for one whose controller
+    died while it ran), fitness, zero-signal fraction (mean over its steps / last step) and
+    hyperparameters, each running member's progress (from its heartbeat) and log, every fault,
+    and the broken checkpoints that members were replaced for."""
     with _open(directory) as store:
         members = store.members()
         faults = store.faults()
@@ -37,13 +42,19 @@ def status_text(directory: Path) -> str:
         return f"{directory}: no members yet"
     current = max(m.generation for m in members)
     lines = [f"campaign {directory}: generation {current} (last committed: {committed})"]
+    gone = None
+    if committed is None or current > committed:  # work left: is anyone doing it?
+        gone = _controller_gone(Path(directory))
+    if gone:
+        lines.append(gone)
     if best:
         lines.append(f"best so far: {best[0]} fitness {best[1]:.4f}")
     jobs = {m.member_id: read_job(Path(directory) / "tasks" / m.member_id) for m in members}
-    lines += ["", _member_table([m for m in members if m.generation == current], jobs)]
+    table = [m for m in members if m.generation == current]
+    lines += ["", _member_table(table, jobs, interrupted=gone is not None)]
     running = [m for m in members if m.status == "running"]
     if running:
-        lines += ["", "running:"]
+        lines += ["", "last seen running:" if gone else "running:"]
         lines += [_running_line(Path(directory), m, jobs.get(m.member_id)) for m in running]
     if faults:
         lines += ["", f"faults ({len(faults)}):"]
@@ -52,7 +63,42 @@ def status_text(directory: Path) -> str:
             f"{(f['detail'] or '').splitlines()[0] if f['detail'] else ''}"
             for f in faults
         ]
+    broken = _broken_checkpoints(members, faults)
+    if broken:
+        lines += ["", "broken checkpoints (each member that loaded one was replaced at once):"]
+        lines += [f"  {path}  (parent of {', '.join(who)})" for path, who in broken.items()]
     return "\n".join(lines)
+
+
+def _controller_gone(directory: Path) -> str | None:
+    """A line saying that no controller runs the campaign, and what to run; None while one
+    does (or where that cannot be told)."""
+    try:
+        if controller_running(directory) is not None:
+            return None
+    except (OSError, PbtError):
+        return None
+    record = last_controller(directory) or {}
+    last = ""
+    if isinstance(record.get("pid"), int):
+        last = f" (the last was pid {record['pid']}"
+        last += f" on {record['host']})" if record.get("host") else ")"
+    return (
+        f"controller: none running{last}, and the campaign has work left: continue it with: "
+        f"pbt resume {shlex.quote(str(directory))}"
+    )
+
+
+def _broken_checkpoints(members: list[MemberRecord], faults: list[dict]) -> dict[str, list[str]]:
+    """Each parent checkpoint refused on loading (``bad_checkpoint``), with the members that
+    loaded it."""
+    parents = {m.member_id: m.parent_checkpoint for m in members}
+    broken: dict[str, list[str]] = {}
+    for f in faults:
+        path = parents.get(f["member_id"])
+        if f["kind"] == "bad_checkpoint" and path:
+            broken.setdefault(path, []).append(f["member_id"])
+    return broken
 
 
 def _running_line(directory: Path, m: MemberRecord, job: dict | None) -> str:
@@ -77,15 +123,19 @@ def _progress(heartbeat: Path) -> str:
     return f"{describe(read_progress(heartbeat))} (heartbeat {format_duration(age)} ago)"
 
 
-def _shown_status(m: MemberRecord, job: dict | None) -> str:
+def _shown_status(m: MemberRecord, job: dict | None, interrupted: bool) -> str:
     if m.collapsed:
         return "collapsed"
+    if m.status == "running" and interrupted:
+        return "interrupted"
     if m.status == "running" and job is not None and job.get("state") in WAITING:
         return "queued"
     return m.status
 
 
-def _member_table(members: list[MemberRecord], jobs: dict[str, dict | None]) -> str:
+def _member_table(
+    members: list[MemberRecord], jobs: dict[str, dict | None], interrupted: bool = False
+) -> str:
     names = sorted({k for m in members for k in m.hyperparameters})
     header = ["member", "parent", "status", "tries", "fitness", "zero-signal", *names, "mutation"]
     rows = [header]
@@ -95,7 +145,7 @@ def _member_table(members: list[MemberRecord], jobs: dict[str, dict | None]) -> 
             [
                 m.member_id,
                 m.parent_id or "-",
-                _shown_status(m, jobs.get(m.member_id)),
+                _shown_status(m, jobs.get(m.member_id), interrupted),
                 str(m.attempts),
                 f"{fit:.4f}" if fit is not None else "-",
                 _zero_signal(m),

@@ -281,13 +281,14 @@ class _Journal:
             self._write(RUNS_FILE, self._runs)
 
     def copy_artifact(self, path: Path) -> str:
-        """Copy ``path`` (file or directory) under ``artifacts/<copy>/``; returns ``<copy>``."""
+        """Copy ``path`` (file or directory) under ``artifacts/<copy>/``; returns ``<copy>``.
+        Symbolic links inside a directory are left out, never followed."""
         copy = uuid.uuid4().hex
         target = self.artifacts / copy / path.name
         target.parent.mkdir()
         try:
             if path.is_dir():
-                shutil.copytree(path, target)
+                shutil.copytree(path, target, ignore=_links)
             else:
                 shutil.copy2(path, target)
         except BaseException:
@@ -305,6 +306,11 @@ class _Journal:
             self._file.close()
             self.lock.notify_all()
         os.close(self._lock_fd)  # releases the flock
+
+
+def _links(folder: str, names: list[str]) -> list[str]:
+    """The symbolic links among ``folder``'s ``names`` (for ``shutil.copytree``'s ``ignore``)."""
+    return [name for name in names if os.path.islink(os.path.join(folder, name))]
 
 
 def _lock_directory(directory: Path) -> int:
@@ -508,6 +514,9 @@ class Tracker:
             artifact_path: The folder inside the run's artifacts; the root by default.
         """
         self._require(key)
+        if Path(path).is_symlink():  # a checkpoint's adapter, say: never followed out
+            _LOG.warning("artifact %s of run %r not logged: it is a symbolic link", path, key)
+            return
         path = Path(path).resolve()
         try:
             copy = self._journal.copy_artifact(path)

@@ -11,6 +11,7 @@ crash point costs one dictionary lookup. The points:
   idle workers while its last checkpoints are written, nothing committed;
 - ``selection``: a generation trained, its successors selected and mutated, nothing committed;
 - ``store``: inside the generation's store transaction, every row written, not committed;
+- ``commit``: the generation committed (the last one too), nothing after it done yet;
 - ``gc``: one unreferenced checkpoint deleted from disk, the store not yet told.
 
 ``PBT_DELAY_AT=checkpoint_write:0.5`` makes every checkpoint write of this process start 0.5 s
@@ -27,7 +28,7 @@ import os
 import signal
 import time
 
-POINTS = ("launch", "task", "ahead", "selection", "store", "gc")
+POINTS = ("launch", "task", "ahead", "selection", "store", "commit", "gc")
 FAULTS = ("disk_full",)
 _hits: dict[str, int] = {}
 _fault_hits: dict[str, int] = {}

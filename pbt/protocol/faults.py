@@ -25,7 +25,10 @@ that ran past ``task.reward_timeout_s`` may have met a busy machine: a plain fai
 
 A member that stops on a :class:`~pbt.config.errors.ConfigError` (a model that cannot be loaded,
 a tokenizer without a chat template, a batch its ranks cannot split) is ``config_error``: the
-same configuration fails the same way, so it is not retried.
+same configuration fails the same way, so it is not retried. Nor is ``bad_checkpoint``: a
+parent checkpoint refused on loading (:class:`~pbt.config.errors.CheckpointError` not caused by
+an OS error: a digest that does not match, a missing manifest or file, a symbolic link, a path
+that leaves its folder), which the same checkpoint reproduces; the member is replaced at once.
 
 Whatever the error, the worker writes its one-line cause and the exit code it is about to exit
 with into ``fault.json`` (``cause`` and ``exit_code``; ``kind`` is null for an error of no known
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pbt.config.errors import ConfigError, DivergedError, PbtError, RewardError
+from pbt.config.errors import CheckpointError, ConfigError, DivergedError, PbtError, RewardError
 from pbt.protocol.files import read_json, write_json_once
 
 FAULT_FILE = "fault.json"
@@ -57,17 +60,21 @@ NEAR_LIMIT = 0.8
 """The share of its data limit (``RLIMIT_DATA``) past which a process's error counts as
 ``out_of_memory``."""
 RESERVE_BYTES = 16 << 20
-FaultKind = Literal["out_of_memory", "disk_full", "diverged", "config_error", "reward_error"]
+FaultKind = Literal[
+    "out_of_memory", "disk_full", "diverged", "config_error", "reward_error", "bad_checkpoint"
+]
 KINDS: tuple[FaultKind, ...] = (
     "out_of_memory",
     "disk_full",
     "diverged",
     "config_error",
     "reward_error",
+    "bad_checkpoint",
 )
-NOT_RETRIED: frozenset[str] = frozenset({"config_error", "reward_error"})
-"""Fault kinds that the same task input reproduces: a campaign replaces such a member at once
-instead of spending attempts on it."""
+NOT_RETRIED: frozenset[str] = frozenset({"config_error", "reward_error", "bad_checkpoint"})
+"""Fault kinds that the same task input reproduces (the manifest, the reward on the same rows,
+a broken parent checkpoint): a campaign replaces such a member at once instead of spending
+attempts on it."""
 CAUSE_CHARS = 600
 """The most characters of a cause kept: a line a person reads, not a dump."""
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -84,9 +91,8 @@ _DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\((EN
 
 
 def classify(err: BaseException) -> FaultKind | None:
-    """``out_of_memory``, ``disk_full``, ``diverged``, ``config_error``, ``reward_error``, or None
-    for any other
-    error.
+    """``out_of_memory``, ``disk_full``, ``diverged``, ``config_error``, ``reward_error``,
+    ``bad_checkpoint``, or None for any other error.
 
     The error and the errors it was raised from or while handling are looked at, so a
     checkpoint write that failed for a full disk counts as ``disk_full``; a ConfigError counts
@@ -95,6 +101,8 @@ def classify(err: BaseException) -> FaultKind | None:
     """
     if isinstance(err, ConfigError):
         return "config_error"
+    if isinstance(err, CheckpointError) and err.__cause__ is None:  # not a failed write
+        return "bad_checkpoint"
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

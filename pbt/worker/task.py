@@ -16,7 +16,8 @@ the same, and its result says ``"fault": {"kind": "collapsed", ...}``
 ``checkpoints`` folder. A task that fails says why in ``fault.json`` (:mod:`pbt.protocol.faults`):
 its one-line cause, its kind (out of memory, disk full, diverged, configuration error) and the
 exit code, before the worker exits: 2 for those and for any user error, 1 for a bug (whose
-traceback follows in the log).
+traceback follows in the log). A worker started by a campaign's controller ends (exit 3) once
+that controller has died (:mod:`pbt.protocol.controller`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pbt.config.canonical import manifest_from_canonical
 from pbt.config.errors import PbtError
 from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
+from pbt.protocol.controller import watch_controller
 from pbt.protocol.files import RELEASED, Heartbeat, read_json, write_json_atomic
 from pbt.protocol.paths import inside
 from pbt.protocol.progress import ProgressReport
@@ -362,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     :class:`pbt.launch.PersistentLauncher`)."""
     argv = sys.argv[1:] if argv is None else argv
     faults.keep_reserve()  # freed before a fault report, which may come at the memory limit
+    watch_controller(_controller_gone)
     if argv[:1] == ["--serve"] and len(argv) in (2, 4):
         idle = float(argv[3]) if len(argv) == 4 and argv[2] == "--idle-timeout" else 900.0
         return serve(Path(argv[1]), idle)
@@ -408,6 +411,8 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     the folder is gone, or after ``idle_timeout_s`` without a task, in each case after the
     write in flight. A task that fails ends the worker (exit 2), since its ranks may be out of
     step; so does a failed write (the task in training then fails with it, and is retried).
+    Each rank also ends (exit 3, at once) within a second or two of its controller's death
+    (:func:`pbt.protocol.controller.watch_controller`, started by :func:`main`).
     """
     from pbt.distributed import shutdown
 
@@ -532,6 +537,17 @@ def _failed(task_dir: Path, err: BaseException) -> bool:
         traceback.print_exc()
         print(f"error: {kind.replace('_', ' ')}: {err}", file=sys.stderr)
     return expected
+
+
+CONTROLLER_GONE_EXIT = 3
+"""The exit code of a worker whose controller died: no one is left to read its results."""
+
+
+def _controller_gone(pid: int) -> None:
+    """End this process at once: its controller (``pid``) has died, and a resumed one runs its
+    task again; a checkpoint write cut off here leaves only a temporary folder behind."""
+    print(f"error: the controller (pid {pid}) has ended; this worker stops", file=sys.__stderr__)
+    os._exit(CONTROLLER_GONE_EXIT)
 
 
 def _next_entry(
