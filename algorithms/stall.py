@@ -22,7 +22,11 @@ MIN_STEPS = 6
 TRUNCATED_SHARE = 0.9
 """A mean completion length from this share of ``max_output_tokens`` means replies are cut off."""
 LOW_LR = 5e-5
-"""Below this, a LoRA GRPO run is likely to move too slowly to see in its first steps."""
+"""Below this, a LoRA GRPO run is likely to move too slowly to see in its first steps: the lr
+is named first."""
+USUAL_LR = 1e-4
+"""From this lr, a flat reward is not blamed on the lr."""
+BUILTIN_MODEL = "builtin:tiny"
 
 
 @dataclass(slots=True)
@@ -78,6 +82,15 @@ class StallWatch:
             "docs/own_task.md for settings that learn"
         )
 
+    def _stronger_model(self) -> str:
+        if self.model == BUILTIN_MODEL:
+            return (
+                f"{BUILTIN_MODEL} has random weights and knows no language; start from a "
+                "pretrained instruct model (builtin:smollm2-135m-instruct or larger) that solves "
+                "some prompts already"
+            )
+        return "start from a larger pretrained instruct model, one that solves some prompts already"
+
     def causes(self, history: Sequence[dict[str, float]], no_signal: bool) -> list[str]:
         """The likely causes, the one the metrics point at first."""
         length = mean([m.get("completion_length", 0.0) for m in history])
@@ -95,31 +108,23 @@ class StallWatch:
                 f"optim.lr ({self.lr:g}) too low: LoRA GRPO usually starts at 1e-4 to 5e-4 "
                 "(2e-4 teaches SmolLM2-135M addition in 80 steps)"
             ),
-            "model": (
-                "a model too weak for the task: "
-                + (
-                    "builtin:tiny has random weights and knows no language; "
-                    if self.model == "builtin:tiny"
-                    else ""
-                )
-                + "start from a pretrained instruct model (builtin:smollm2-135m-instruct or "
-                "larger) that solves some prompts already"
-            ),
+            "model": f"a model too weak for the task: {self._stronger_model()}",
         }
         order = (
             ["reward", "model", "lr", "tokens"]
             if no_signal
             else ["lr", "model", "reward", "tokens"]
         )
-        if self.model == "builtin:tiny":
-            order.remove("model")
-            order.insert(0, "model")
-        if self.lr < LOW_LR and not no_signal:
+        if self.lr >= USUAL_LR:
             order.remove("lr")
-            order.insert(0, "lr")
+        first = []
         if truncated:
-            order.remove("tokens")
-            order.insert(0, "tokens")
+            first.append("tokens")
+        if self.model == BUILTIN_MODEL:
+            first.append("model")
+        if self.lr < LOW_LR and not no_signal:
+            first.append("lr")
+        order = first + [key for key in order if key not in first]
         return [causes[key] for key in order]
 
 

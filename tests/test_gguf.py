@@ -162,9 +162,8 @@ def test_pbt_check_on_a_gguf_a_missing_one_and_an_impostor(tiny_gguf, tmp_path, 
     assert code == 0
     assert lines == [
         "note: model.name ('models/tiny.gguf') is a GGUF file (llama, 0.1M parameters, F32, "
-        "'tiny test model'); members convert it once into a plain model folder in the cache "
-        "(needs pip install 'pbt-llm[gguf]'); it has no pad token, so its end-of-sequence "
-        "token pads batches"
+        "'tiny test model'); members convert it once into a plain model folder in the cache; "
+        "it has no pad token, so its end-of-sequence token pads batches"
     ]
     code, lines = _check(capsys, _manifest(tmp_path, "models/gone.gguf"))
     assert code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import typing
@@ -12,6 +13,7 @@ from typing import Literal
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.gguf import (
     FETCH_COMMAND,
+    GGUF_EXTRA,
     GGUF_SUFFIX,
     KNOWN_GGUF,
     NotGGUFError,
@@ -148,13 +150,13 @@ def gguf_note(name: str, path: Path) -> str:
         info = read_gguf_info(path)
     except (OSError, NotGGUFError) as err:
         return f"model.name ({name!r}): the GGUF header of {path} could not be read ({err})"
+    extra = "" if importlib.util.find_spec("gguf") else f" (needs {GGUF_EXTRA}, not installed here)"
     pad = ""
     if not info.has_pad_token:
         pad = "; it has no pad token, so its end-of-sequence token pads batches"
     return (
         f"model.name ({name!r}) is a GGUF file ({info.describe()}, {info.name!r}); members "
-        "convert it once into a plain model folder in the cache (needs pip install "
-        f"'pbt-llm[gguf]'){pad}"
+        f"convert it once into a plain model folder in the cache{extra}{pad}"
     )
 
 
