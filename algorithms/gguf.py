@@ -13,8 +13,7 @@ The weights are saved in bfloat16. A GGUF's weights are mostly 4- to 8-bit block
 scales: bf16 keeps the dequantized values to 0.4% where the quantization itself moved them by
 several percent, halves the disk and load time against float32, and is what a member on a GPU
 computes in anyway (``model.dtype: auto``), so such a member sees exactly the values a float32
-folder would have given it after its own rounding. Models released in bf16 (SmolLM2, Qwen,
-Llama) lose nothing of their original precision. A tokenizer without a pad token is saved with
+folder would have given it after its own rounding. A tokenizer without a pad token is saved with
 its end-of-sequence token as the pad token, and the folder says so (:data:`NOTE_FILE`).
 """
 
