@@ -66,10 +66,8 @@ def test_the_causes_follow_the_metrics():
 
 
 def test_short_runs_and_algorithms_without_rewards_are_not_judged():
-    assert _watch(_steps([0.0] * 5), steps=5) == []
+    assert _watch(_steps([0.0] * 19), steps=19) == []
     assert _watch([{"loss": 1.0}] * 30) == []
-    (said,) = _watch(_steps([0.0] * 8), steps=8)  # a short run is judged at its end
-    assert "in 8 steps" in said
 
 
 @pytest.mark.integration
@@ -81,7 +79,7 @@ def test_pbt_train_warns_when_nothing_is_learned(tmp_path):
         "algorithm": {"group_size": 4, "prompts_per_step": 2},
         "rollout": {"max_output_tokens": 6},
         "task": {"name": "builtin:letters", "eval_size": 4},
-        "training": {"steps": 8, "output_dir": str(tmp_path / "out"), "device": "cpu"},
+        "training": {"steps": 20, "output_dir": str(tmp_path / "out"), "device": "cpu"},
     }
     manifest = tmp_path / "manifest.yaml"
     manifest.write_text(yaml.safe_dump(sections))
@@ -94,5 +92,5 @@ def test_pbt_train_warns_when_nothing_is_learned(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, done.stdout
-    assert warnings[0].startswith("warning: step 8: the training reward has not moved in 8 steps")
+    assert warnings[0].startswith("warning: step 20: the training reward has not moved in 20")
     assert "a model too weak for the task: builtin:tiny has random weights" in warnings[0]
