@@ -2,18 +2,18 @@
 loads like any other.
 
 transformers reads a GGUF file (through the ``gguf`` package) by dequantizing every tensor,
-which takes tens of seconds on a loaded CPU; members would each pay it, and vLLM cannot read the
-result. So the file is converted once into ``<cache>/gguf-<sha256 of the file>`` (safetensors,
-config, generation config, tokenizer with its chat template), written into a temporary sibling
-and renamed into place, under an ``fcntl`` lock so that members starting together convert it
-once while the others wait. The cache is ``$PBT_CACHE_DIR`` or ``~/.cache/pbt-llm``.
+which takes tens of seconds on a loaded CPU; every member and worker would pay it at each start,
+and a vLLM engine would read the file its own way. So the file is converted once into
+``<cache>/gguf-v1-<sha256 of the file>`` (safetensors, config, generation config, tokenizer with
+its chat template), written into a temporary sibling and renamed into place, under an ``fcntl``
+lock so that members starting together convert it once while the others wait. The cache is
+``$PBT_CACHE_DIR`` or ``~/.cache/pbt-llm``.
 
 The weights are saved in bfloat16. A GGUF's weights are mostly 4- to 8-bit blocks with fp16
 scales: bf16 keeps the dequantized values to 0.4% where the quantization itself moved them by
 several percent, halves the disk and load time against float32, and is what a member on a GPU
 computes in anyway (``model.dtype: auto``), so such a member sees exactly the values a float32
-folder would have given it after its own rounding. Models released in bf16 (SmolLM2, Qwen,
-Llama) lose nothing of their original precision. A tokenizer without a pad token is saved with
+folder would have given it after its own rounding. A tokenizer without a pad token is saved with
 its end-of-sequence token as the pad token, and the folder says so (:data:`NOTE_FILE`).
 """
 

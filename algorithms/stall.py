@@ -6,7 +6,8 @@ by ``rollout.max_output_tokens`` all give the same picture: a flat, near-zero re
 be told apart from a broken reward function. :class:`StallWatch` looks at the first
 :data:`WATCH_STEPS` steps' metrics once and, if the reward of their second half is not above
 the first half's by two standard errors, says so, with the likely causes ordered by what the
-metrics show. No torch here.
+metrics show. A shorter run is not judged: a few steps of a few prompts cannot tell a flat
+reward from noise. No torch here.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WATCH_STEPS = 20
-"""Steps the watch waits before judging (fewer when the run is shorter, at least
-:data:`MIN_STEPS`)."""
-MIN_STEPS = 6
+"""Steps the watch waits before judging."""
 TRUNCATED_SHARE = 0.9
 """A mean completion length from this share of ``max_output_tokens`` means replies are cut off."""
 LOW_LR = 5e-5
-"""Below this, a LoRA GRPO run is likely to move too slowly to see in its first steps."""
+"""Below this, a LoRA GRPO run is likely to move too slowly to see in its first steps: the lr
+is named first."""
+USUAL_LR = 1e-4
+"""From this lr, a flat reward is not blamed on the lr."""
+BUILTIN_MODEL = "builtin:tiny"
 
 
 @dataclass(slots=True)
@@ -30,7 +33,7 @@ class StallWatch:
     """Judges, once, whether the first steps' training reward moved.
 
     Args:
-        steps: the run's planned steps; the watch judges after ``min(WATCH_STEPS, steps)``.
+        steps: the run's planned steps (a run shorter than :data:`WATCH_STEPS` is not judged).
         lr: ``optim.lr``, named in the warning.
         max_output_tokens: ``rollout.max_output_tokens``, against the completion lengths.
         model: ``model.name``, named when it is the built-in random-weight model.
@@ -43,17 +46,13 @@ class StallWatch:
     seen: list[dict[str, float]] = field(default_factory=list)
     done: bool = False
 
-    @property
-    def window(self) -> int:
-        return min(WATCH_STEPS, self.steps)
-
     def observe(self, metrics: dict[str, float]) -> str | None:
         """Take one step's metrics; return the warning when this step completes the window and
         the reward has not moved (once per run), else None."""
-        if self.done or "reward_mean" not in metrics or self.window < MIN_STEPS:
+        if self.done or "reward_mean" not in metrics or self.steps < WATCH_STEPS:
             return None
         self.seen.append(metrics)
-        if len(self.seen) < self.window:
+        if len(self.seen) < WATCH_STEPS:
             return None
         self.done = True
         return self.warning(self.seen)
@@ -78,6 +77,15 @@ class StallWatch:
             "docs/own_task.md for settings that learn"
         )
 
+    def _stronger_model(self) -> str:
+        if self.model == BUILTIN_MODEL:
+            return (
+                f"{BUILTIN_MODEL} has random weights and knows no language; start from a "
+                "pretrained instruct model (builtin:smollm2-135m-instruct or larger) that solves "
+                "some prompts already"
+            )
+        return "start from a larger pretrained instruct model, one that solves some prompts already"
+
     def causes(self, history: Sequence[dict[str, float]], no_signal: bool) -> list[str]:
         """The likely causes, the one the metrics point at first."""
         length = mean([m.get("completion_length", 0.0) for m in history])
@@ -86,6 +94,9 @@ class StallWatch:
             "tokens": (
                 f"rollout.max_output_tokens ({self.max_output_tokens}) too short: completions "
                 f"average {length:.1f} tokens, so replies are cut off before their answer"
+                if truncated
+                else f"rollout.max_output_tokens ({self.max_output_tokens}) too short for "
+                f"replies longer than the {length:.1f} tokens completions average"
             ),
             "reward": (
                 "the reward is always the same: try it on a few hand-written replies, give "
@@ -95,31 +106,23 @@ class StallWatch:
                 f"optim.lr ({self.lr:g}) too low: LoRA GRPO usually starts at 1e-4 to 5e-4 "
                 "(2e-4 teaches SmolLM2-135M addition in 80 steps)"
             ),
-            "model": (
-                "a model too weak for the task: "
-                + (
-                    "builtin:tiny has random weights and knows no language; "
-                    if self.model == "builtin:tiny"
-                    else ""
-                )
-                + "start from a pretrained instruct model (builtin:smollm2-135m-instruct or "
-                "larger) that solves some prompts already"
-            ),
+            "model": f"a model too weak for the task: {self._stronger_model()}",
         }
         order = (
             ["reward", "model", "lr", "tokens"]
             if no_signal
             else ["lr", "model", "reward", "tokens"]
         )
-        if self.model == "builtin:tiny":
-            order.remove("model")
-            order.insert(0, "model")
-        if self.lr < LOW_LR and not no_signal:
+        if self.lr >= USUAL_LR:
             order.remove("lr")
-            order.insert(0, "lr")
+        first = []
         if truncated:
-            order.remove("tokens")
-            order.insert(0, "tokens")
+            first.append("tokens")
+        if self.model == BUILTIN_MODEL:
+            first.append("model")
+        if self.lr < LOW_LR and not no_signal:
+            first.append("lr")
+        order = first + [key for key in order if key not in first]
         return [causes[key] for key in order]
 
 

