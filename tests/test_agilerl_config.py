@@ -1,7 +1,7 @@
 """AgileRL's configs load as AgileRL means them: fixtures reproduce their published LLM configs
 and tutorial constants (each cites its file and commit); each mapped key lands in the config
-that uses it, each key without an effect here gives its one line, and the README's table is the
-code's table. Every fixture, shrunk in its own layout, passes ``pbt check`` and runs a campaign
+that uses it, each key without an effect here gives its one line, and the table of docs/agilerl.md
+is the code's table. Every fixture, shrunk in its own layout, passes ``pbt check`` and runs a campaign
 of 2 members x 2 generations with ``pbt run``; members get the manifest translated once, in
 canonical form, which reads back to the same manifest."""
 
@@ -39,7 +39,7 @@ from pbt.controller.store import CampaignStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agilerl"
 FIXTURE_PATHS = sorted(FIXTURES.glob("*.yaml"))
-README = Path(__file__).parents[1] / "README.md"
+AGILERL_PAGE = Path(__file__).parents[1] / "docs" / "agilerl.md"
 GROUP_SIZE_MUTABLE = "group_size" in MUTABLE_BY_ALGORITHM["GRPO"]
 
 
@@ -316,8 +316,8 @@ def test_zero_architecture_mutations_and_cispo_are_accepted() -> None:
     assert (m.algorithm.name, m.algorithm.loss) == ("GRPO", "cispo") and m.notes() == []
 
 
-def test_the_readme_table_is_the_codes_table() -> None:
-    text = README.read_text()
+def test_the_docs_table_is_the_codes_table() -> None:
+    text = AGILERL_PAGE.read_text()
     section = text.split("## Coming from AgileRL", 1)[1].split("\n## ", 1)[0]
     rows = [
         tuple(cell.strip() for cell in line.strip().strip("|").split("|"))
