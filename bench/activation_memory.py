@@ -18,7 +18,7 @@ and together (``both`` is the two activation knobs; ``qlora+...`` adds the 4-bit
 ``--modes all`` runs all eight. bitsandbytes is needed for the qlora modes only.
 
 Printed per mode: tokens/s (mean of ``--steps`` after 2 warm-ups), the CUDA allocator's peak
-over those steps, the estimate of :mod:`pbt.controller.memory` for the same shape and batch,
+over those steps, the estimate of :mod:`pbt.estimate.memory` for the same shape and batch,
 the host bytes one forward offloads, and the largest difference of the second step's log-probs
 and adapter gradients to the plain mode's (the first step's lora_A gradients are zero).
 """
@@ -374,8 +374,8 @@ def bench_estimate(
     output layer's gradient formed in the forward pass or not (``in_forward``; by default as
     the code runs it)."""
     from pbt.algorithms.rollout import hf
-    from pbt.controller.memory import GIB, Plan, estimate
-    from pbt.controller.model_shape import shape_from_config
+    from pbt.estimate.memory import GIB, Plan, estimate
+    from pbt.estimate.model_shape import shape_from_config
 
     if in_forward is None:
         in_forward = hf.GRADIENT_IN_FORWARD

@@ -69,7 +69,7 @@ def write_tasks(
     """One generation's task files: member ``i`` of a later generation loads member ``i + 1``'s
     checkpoint of the one before (as selection would pick), its lr set apart from the others'.
     ``digests`` holds the checkpoints' digests, so a worker may load a parent from memory."""
-    from pbt.controller.launch import TaskSpec
+    from pbt.launch.local import TaskSpec
     from pbt.protocol.files import write_json_atomic
 
     tasks = []
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     args = parser.parse_args()
 
-    from pbt.controller.launch import LocalLauncher, PersistentLauncher, member_command
+    from pbt.launch.local import LocalLauncher, PersistentLauncher, member_command
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -89,7 +89,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
 
-    from pbt.controller.launch import PersistentLauncher, member_command
+    from pbt.launch.local import PersistentLauncher, member_command
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

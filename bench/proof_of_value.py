@@ -432,7 +432,7 @@ def tpe_trials(directory: Path, startup_trials: int) -> dict:
     how many were pruned, and the generation of the first guided one."""
     import optuna
 
-    from pbt.controller.search import study_storage
+    from pbt.evolution.search import study_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = study_storage(directory)

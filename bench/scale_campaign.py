@@ -100,7 +100,7 @@ def write_manifest(args: argparse.Namespace, model: Path) -> Path:
 
 def member_command() -> list[str]:
     """The controller's member command, started through :func:`record_member`."""
-    from pbt.controller.launch import member_command as torchrun
+    from pbt.launch.local import member_command as torchrun
 
     return [sys.executable, str(Path(__file__).resolve()), "member", "--", *torchrun()]
 

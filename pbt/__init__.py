@@ -1,7 +1,8 @@
 """pbt-llm: population-based training with hyperparameter search for RL fine-tuning of LLMs.
 
 ``import pbt`` is instant and torch-free: the public API below is imported on first use. The
-controller (``pbt.controller``) never imports torch; the member entry points (``pbt.worker``),
+controller side (``pbt.controller``, ``pbt.evolution``, ``pbt.tracking``, ``pbt.launch``,
+``pbt.estimate``) never imports torch; the member entry points (``pbt.worker``),
 library mode (``pbt.library``), the algorithms (``pbt.algorithms``) and the distributed layer
 (``pbt.distributed``) do.
 """
@@ -13,8 +14,8 @@ _EXPORTS = {
     "Population": "pbt.library.population",
     "Agent": "pbt.library.population",
     "train_population": "pbt.library.loop",
-    "TournamentSelection": "pbt.controller.selection",
-    "Mutations": "pbt.controller.mutation",
+    "TournamentSelection": "pbt.evolution.selection",
+    "Mutations": "pbt.evolution.mutation",
     "HPRange": "pbt.config.ranges",
     "GRPO": "pbt.library.algorithms",
     "REINFORCE": "pbt.library.algorithms",

@@ -9,8 +9,8 @@
     elite, pop = tournament.select(pop)
     pop = mutations.mutation(pop)
 
-The selection and mutation themselves are :mod:`pbt.controller.selection` and
-:mod:`pbt.controller.mutation`, the campaign's. Where AgileRL differs from them:
+The selection and mutation themselves are :mod:`pbt.evolution.selection` and
+:mod:`pbt.evolution.mutation`, the campaign's. Where AgileRL differs from them:
 
 - ``select`` on a library population returns ``(elite, population)``, as AgileRL up to 2.8
   does (AgileRL 2.9 adds a third value, the indices to mutate: write ``elite, pop =``).
@@ -39,8 +39,8 @@ from pbt.config.ranges import (
     hp_ranges,
     probability_problems,
 )
-from pbt.controller import mutation as campaign_mutation
-from pbt.controller import selection as campaign_selection
+from pbt.evolution import mutation as campaign_mutation
+from pbt.evolution import selection as campaign_selection
 from pbt.library.population import Agent, Population
 
 __all__ = ["HyperparameterConfig", "Mutations", "RLParameter", "TournamentSelection"]

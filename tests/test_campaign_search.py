@@ -16,9 +16,9 @@ import pytest
 from support import MlflowServer, start_campaign, write_manifest
 
 from pbt.controller.campaign import Campaign
-from pbt.controller.population import INIT_STUDY
 from pbt.controller.store import CampaignStore
-from pbt.controller.trials import POPULATION_STUDY, SEARCH_STUDY
+from pbt.evolution.breeding import INIT_STUDY
+from pbt.evolution.trials import POPULATION_STUDY, SEARCH_STUDY
 
 pytestmark = pytest.mark.integration  # each test runs real processes (controller, members)
 

@@ -24,9 +24,9 @@ from support import free_port, start_campaign, write_manifest
 
 from pbt.config import manifest_from_dict
 from pbt.controller.campaign import Campaign
-from pbt.controller.run_schema import config_params
 from pbt.controller.store import CampaignStore
-from pbt.controller.tracking import default_uri
+from pbt.tracking.run_schema import config_params
+from pbt.tracking.tracker import default_uri
 
 pytestmark = pytest.mark.integration
 
@@ -171,7 +171,7 @@ def test_a_resumed_campaign_keeps_its_params_and_nothing_is_refused(tmp_path, ca
     killed = start_campaign(manifest, directory, FAKE, 0.05, env=crash, stdout=subprocess.DEVNULL)
     assert killed.wait(timeout=120) == -signal.SIGKILL
     assert _committed(directory) == 0
-    with caplog.at_level(logging.WARNING, logger="pbt.controller.tracking"):
+    with caplog.at_level(logging.WARNING, logger="pbt.tracking.tracker"):
         resumed = Campaign.resume(directory, member_command=FAKE)
         resumed.say = lambda *_: None
         try:

@@ -19,8 +19,8 @@ from support import small_manifest, small_sections
 from pbt.algorithms.member import Member
 from pbt.algorithms.rewards import Reward, RewardTerm
 from pbt.controller.report import status_text
-from pbt.controller.selection import TournamentSelection
 from pbt.controller.store import CampaignStore
+from pbt.evolution.selection import TournamentSelection
 from pbt.protocol.collapse import (
     COLLAPSE_HINT,
     ZERO_SIGNAL_HINT,

@@ -16,8 +16,8 @@ from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import base_hyperparameters, batch_rule, keep_batch_rule
-from pbt.controller.population import build_mutations
 from pbt.distributed.state import load_parameters
+from pbt.evolution.breeding import build_mutations
 from pbt.worker.task import run_task
 
 CPU = torch.device("cpu")

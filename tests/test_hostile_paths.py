@@ -182,7 +182,7 @@ def test_a_tracking_journal_naming_outside_files_deletes_and_uploads_nothing(tmp
     replayed to a real (embedded) MLflow store, nothing is uploaded or deleted."""
     from mlflow import MlflowClient
 
-    from pbt.controller.tracking import Tracker, default_uri
+    from pbt.tracking.tracker import Tracker, default_uri
 
     uri, journal = default_uri(tmp_path), tmp_path / "journal"
     with Tracker(uri, "hostile", journal) as tracker:
@@ -319,7 +319,7 @@ def test_an_artifact_folder_with_links_out_uploads_none_of_their_targets(tmp_pat
     outside planted in it (or the folder itself a link): only its plain files are uploaded."""
     from mlflow import MlflowClient
 
-    from pbt.controller.tracking import Tracker, default_uri
+    from pbt.tracking.tracker import Tracker, default_uri
 
     adapter = tmp_path / "c" / "checkpoints" / "g000-m00" / "adapter"
     adapter.mkdir(parents=True)

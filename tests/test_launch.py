@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pbt.config.errors import PbtError
-from pbt.controller.launch import LocalLauncher, Outcome, TaskSpec
+from pbt.launch.local import LocalLauncher, Outcome, TaskSpec
 from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
 
 FAKE_MEMBER = textwrap.dedent(
@@ -417,7 +417,7 @@ def test_heartbeat_keeps_touching_until_exit(tmp_path: Path) -> None:
 
 
 def test_launch_imports_no_torch() -> None:
-    code = "import sys, pbt.controller.launch; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    code = "import sys, pbt.launch.local; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -467,7 +467,7 @@ SERVING_MEMBER = textwrap.dedent(
 
 def serving_launcher(tmp_path: Path, slots: int = 1):
     """``slots`` slots (default one) of long-lived workers running SERVING_MEMBER."""
-    from pbt.controller.launch import PersistentLauncher
+    from pbt.launch.local import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
     script.write_text(SERVING_MEMBER)
@@ -614,7 +614,7 @@ def test_a_worker_that_fails_before_its_task_leaves_its_traceback_in_the_tasks_l
     """A long-lived worker that dies before it takes its task (torchrun's agent failing to
     bind, say) writes its traceback to its own log, which the slot's next worker replaces: the
     task's log, the one the fault names, gets its last lines."""
-    from pbt.controller.launch import PersistentLauncher
+    from pbt.launch.local import PersistentLauncher
 
     crash = "raise OSError(98, 'Address already in use (EADDRINUSE)')"
     workers = PersistentLauncher(

@@ -13,7 +13,7 @@ import yaml
 
 from pbt.config.campaign import LaunchConfig, SlurmConfig
 from pbt.config.errors import PbtError
-from pbt.controller.slurm import JobState, batch_script, slurm_member_command
+from pbt.launch.slurm import JobState, batch_script, slurm_member_command
 from tests.support import small_sections
 
 

@@ -5,10 +5,13 @@ Every module under the package-dir mapping is read with ``ast`` (function-level 
 
     0  pbt.config (and the pbt package itself, whose exports are lazy)
     1  pbt.protocol
-    2  pbt.distributed
+    2  pbt.evolution, pbt.tracking, pbt.distributed
     3  pbt.algorithms
-    4  pbt.controller, pbt.worker, pbt.library, pbt.hpo, pbt.train
-    5  pbt.cli
+    4  pbt.controller, pbt.launch, pbt.worker, pbt.library, pbt.estimate, pbt.hpo, pbt.train
+    5  pbt.agilerl
+    6  pbt.cli
+
+as DESIGN.md's layout names them.
 
 A module may import its own floor and the floors below, never one above; no module may reach
 itself again through its imports. The one exception is a package's public face (``FACADES``):
@@ -37,15 +40,26 @@ FLOORS = {
     "pbt.config": 0,
     "pbt.configs": 0,
     "pbt.protocol": 1,
+    "pbt.evolution": 2,
+    "pbt.tracking": 2,
     "pbt.distributed": 2,
     "pbt.algorithms": 3,
     "pbt.controller": 4,
+    "pbt.launch": 4,
     "pbt.worker": 4,
     "pbt.library": 4,
+    "pbt.estimate": 4,
     "pbt.hpo": 4,
     "pbt.train": 4,
-    "pbt.cli": 5,
+    "pbt.agilerl": 5,
+    "pbt.cli": 6,
 }
+TORCH_FREE = (
+    "pbt.config", "pbt.protocol", "pbt.evolution", "pbt.tracking", "pbt.controller",
+    "pbt.launch", "pbt.estimate",
+)  # fmt: skip
+"""The controller side: packages whose modules never import torch, at module level or through
+what they import."""
 FACADES = {"pbt.algorithms": {"pbt.library.algorithms"}}
 """Packages whose ``__init__`` re-exports, lazily and for users only, names of a higher floor."""
 HEAVY = {
@@ -232,10 +246,11 @@ def test_lazy_imports_only_defer_heavy_dependencies():
     assert not hiding, "\n".join(hiding)
 
 
-def test_controller_config_and_protocol_import_no_torch():
-    """Statically: no module of these floors pulls torch in at import (the subprocess test in
-    test_cli.py checks the same at run time)."""
-    light = [n for n in modules() if n.startswith(("pbt.config", "pbt.protocol", "pbt.controller"))]
+def test_controller_side_imports_no_torch():
+    """Statically: no module of the controller side (config, protocol, evolution, tracking,
+    controller, launch, estimate) pulls torch in at import (the subprocess test below and the one
+    in test_cli.py check the same at run time)."""
+    light = [n for n in modules() if n.startswith(TORCH_FREE)]
     assert light
     heavy = [n for n in light if _pulls_heavy(n)]
     assert not heavy, heavy
@@ -245,8 +260,8 @@ def test_each_optional_engine_is_imported_in_one_module():
     """vLLM, MLflow and Optuna (and optuna-dashboard) each enter through one module only."""
     owners = {
         "vllm": {"pbt.algorithms.rollout.vllm"},
-        "mlflow": {"pbt.controller.tracking"},
-        "optuna": {"pbt.controller.search"},
+        "mlflow": {"pbt.tracking.tracker"},
+        "optuna": {"pbt.evolution.search"},
         "optuna_dashboard": {"pbt.cli.serve"},
     }
     for package, expected in owners.items():
@@ -257,9 +272,7 @@ def test_each_optional_engine_is_imported_in_one_module():
 def test_controller_floors_load_no_torch_and_public_paths_resolve():
     """At run time, in a fresh interpreter: every module of the torch-free floors and the CLI
     imports without torch, mlflow or optuna; then the public paths resolve to one class."""
-    light = sorted(
-        n for n in modules() if n.startswith(("pbt.config", "pbt.protocol", "pbt.controller"))
-    )
+    light = sorted(n for n in modules() if n.startswith(TORCH_FREE))
     code = (
         "import importlib, sys\n"
         f"for name in {[*light, 'pbt.cli.main', 'pbt.library.create']!r}:\n"

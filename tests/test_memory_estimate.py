@@ -18,8 +18,8 @@ from support import small_sections
 
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
-from pbt.controller import memory
-from pbt.controller.memory import (
+from pbt.estimate import memory
+from pbt.estimate.memory import (
     GIB,
     Plan,
     adapter_params,
@@ -28,7 +28,7 @@ from pbt.controller.memory import (
     layer_bytes,
     plan_from_manifest,
 )
-from pbt.controller.model_shape import ModelShape, read_model_shape, shape_from_config
+from pbt.estimate.model_shape import ModelShape, read_model_shape, shape_from_config
 
 SMALL = ModelShape(
     hidden=8, layers=2, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=32, tied=False
@@ -231,7 +231,7 @@ def test_a_recomputed_block_holds_the_mlp_gradients_beside_its_saved_tensors():
     inputs held before (counted on the CPU by following every tensor's storage): its saved
     tensors and the MLP's three gradients, :func:`mlp_gradient_bytes`. Two intermediate sizes
     separate the gradients, which grow with it, from what does not."""
-    from pbt.controller.memory import mlp_gradient_bytes
+    from pbt.estimate.memory import mlp_gradient_bytes
 
     plan = Plan(lora_r=8)
     tokens = 2 * 128

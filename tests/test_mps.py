@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pbt.controller.mps import MpsDaemon
+from pbt.launch.mps import MpsDaemon
 
 FAKE = """#!/bin/sh
 echo "$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY stdin=$(cat -)" >> "{record}"

@@ -21,8 +21,8 @@ from pbt.algorithms.objectives import OBJECTIVES, get_objective
 from pbt.config.errors import ConfigError, DivergedError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.campaign import Campaign
-from pbt.controller.launch import LocalLauncher, TaskSpec
 from pbt.controller.store import CampaignStore
+from pbt.launch.local import LocalLauncher, TaskSpec
 from pbt.protocol import faults
 
 CPU = torch.device("cpu")

@@ -13,10 +13,10 @@ import pytest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import HPRange
-from pbt.controller.mutation import Mutations
-from pbt.controller.pb2 import PB2Explore, observations
-from pbt.controller.population import breed, build_pb2
-from pbt.controller.selection import Selected, TruncationSelection
+from pbt.evolution.breeding import breed, build_pb2
+from pbt.evolution.mutation import Mutations
+from pbt.evolution.pb2 import PB2Explore, observations
+from pbt.evolution.selection import Selected, TruncationSelection
 from pbt.protocol.records import MemberRecord, member_id
 
 LR = {"lr": HPRange(min=1e-5, max=1e-1, log=True)}

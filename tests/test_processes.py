@@ -24,10 +24,10 @@ from test_campaign import FAKE, MANIFEST
 
 from pbt.cli.main import main
 from pbt.controller.campaign import Campaign
-from pbt.controller.launch import member_command
-from pbt.controller.processes import end_campaign_processes
 from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
+from pbt.launch.local import member_command
+from pbt.launch.processes import end_campaign_processes
 from pbt.protocol.controller import (
     CAMPAIGN_ENV,
     WATCH_S,

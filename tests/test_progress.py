@@ -18,7 +18,6 @@ from support import write_manifest
 
 from pbt.config.errors import PbtError
 from pbt.controller.campaign import Campaign
-from pbt.controller.launch import TaskSpec
 from pbt.controller.progress import (
     Plan,
     ProgressDisplay,
@@ -27,6 +26,7 @@ from pbt.controller.progress import (
     format_duration,
 )
 from pbt.controller.report import status_text
+from pbt.launch.local import TaskSpec
 from pbt.protocol.files import Heartbeat
 from pbt.protocol.progress import Progress, ProgressReport, read_progress
 

@@ -258,7 +258,7 @@ def test_quantization_settings_are_checked(tmp_path):
     assert manifest.model.quantization.quant_type == "nf4"
     assert _manifest(tmp_path, None).model.quantization is None
     # what the memory estimate takes from it
-    from pbt.controller.memory import plan_from_manifest
+    from pbt.estimate.memory import plan_from_manifest
 
     plan = plan_from_manifest(_manifest(tmp_path, {"compute_dtype": "float32"}))
     assert (plan.quantized, plan.double_quant, plan.compute_bytes) == (True, True, 4)
@@ -343,8 +343,8 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
 
     from pbt.algorithms.models import add_lora
     from pbt.config import LoRAConfig
-    from pbt.controller.memory import Plan, adapter_params, layer_bytes
-    from pbt.controller.model_shape import shape_from_config
+    from pbt.estimate.memory import Plan, adapter_params, layer_bytes
+    from pbt.estimate.model_shape import shape_from_config
 
     config = {
         "vocab_size": 128, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
@@ -433,8 +433,8 @@ def test_a_member_on_a_4bit_base_shares_the_adapters_inputs(
     from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.models import add_lora, load_base_model
     from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
-    from pbt.controller.memory import Plan, adapter_params, layer_bytes
-    from pbt.controller.model_shape import shape_from_config
+    from pbt.estimate.memory import Plan, adapter_params, layer_bytes
+    from pbt.estimate.model_shape import shape_from_config
 
     cpu_autocast = torch.is_autocast_enabled
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: cpu_autocast(*(a or ("cpu",))))

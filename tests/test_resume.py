@@ -25,9 +25,9 @@ from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.budget import with_budget
 from pbt.controller.campaign import Campaign
-from pbt.controller.launch import member_command
 from pbt.controller.lock import ControllerLock, controller_running
 from pbt.controller.store import CampaignStore
+from pbt.launch.local import member_command
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agilerl"
 MANIFEST = {**MANIFEST, "launch": {**MANIFEST["launch"], "slots": 4}}  # a generation at once

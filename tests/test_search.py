@@ -11,7 +11,7 @@ import pytest
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
-from pbt.controller.search import (
+from pbt.evolution.search import (
     OptunaSearch,
     record_initial_fitness,
     sample_initial,

@@ -13,8 +13,8 @@ import pytest
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
-from pbt.controller.mutation import Mutations
-from pbt.controller.selection import Selected, TournamentSelection, TruncationSelection
+from pbt.evolution.mutation import Mutations
+from pbt.evolution.selection import Selected, TournamentSelection, TruncationSelection
 from pbt.protocol.records import MemberRecord
 
 
@@ -417,7 +417,7 @@ def test_all_mutation_problems_are_reported_together() -> None:
 
 
 def test_controller_modules_do_not_import_torch() -> None:
-    code = "import sys, pbt.controller.selection, pbt.controller.mutation; assert 'torch' not in sys.modules"
+    code = "import sys, pbt.evolution.selection, pbt.evolution.mutation; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -477,7 +477,7 @@ def test_truncation_errors_name_key_value_and_fix(fraction: float, gap: float, n
 
 def test_truncation_from_the_manifest() -> None:
     from pbt.config.loader import manifest_from_dict
-    from pbt.controller.population import build_selection
+    from pbt.evolution.breeding import build_selection
 
     raw = {"population": {"size": 8, "selection": "truncation", "exploit_gap": 0.02}}
     selection = build_selection(manifest_from_dict(raw, "."))

@@ -31,11 +31,11 @@ import pytest
 import yaml
 
 from pbt.config.campaign import SlurmConfig
-from pbt.controller.launch import TaskSpec
-from pbt.controller.processes import JOB_CANCEL_WAIT_S
 from pbt.controller.report import status_text
-from pbt.controller.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.controller.store import CampaignStore
+from pbt.launch.local import TaskSpec
+from pbt.launch.processes import JOB_CANCEL_WAIT_S
+from pbt.launch.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.protocol.files import read_json, write_json_atomic
 from tests.support import TINY_CAMPAIGN
 

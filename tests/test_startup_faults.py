@@ -18,7 +18,7 @@ from pbt.cli.main import main as pbt
 from pbt.config.errors import ConfigError, DivergedError
 from pbt.config.loader import manifest_from_dict
 from pbt.config.model import locate_model, model_load_error
-from pbt.controller.launch import LocalLauncher, TaskSpec
+from pbt.launch.local import LocalLauncher, TaskSpec
 from pbt.protocol import faults
 
 

@@ -21,8 +21,7 @@ import pytest
 from support import MlflowServer, free_port
 
 from pbt.config.errors import PbtError
-from pbt.controller import tracking
-from pbt.controller.tracking import Tracker, default_uri
+from pbt.tracking.tracker import Tracker, default_uri
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -183,7 +182,7 @@ def test_a_new_tracker_sends_what_an_unreachable_one_left(
 
 _CRASHING_MEMBER = """
 import os, signal, sys
-from pbt.controller.tracking import Tracker
+from pbt.tracking.tracker import Tracker
 
 tracker = Tracker(sys.argv[1], sys.argv[2], sys.argv[3])
 tracker.start_run("population", name="campaign")
@@ -226,7 +225,7 @@ def test_a_crash_between_log_and_send_loses_and_duplicates_nothing(
 def test_an_emptied_journal_resumes(
     store: str, experiment: str, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(tracking, "_COMPACT_BYTES", 1)
+    monkeypatch.setattr("pbt.tracking.tracker._COMPACT_BYTES", 1)
     with Tracker(store, experiment, tmp_path) as tracker:
         tracker.start_run("m0", name="m0")
         tracker.log_metrics("m0", {"x": 0.0}, 0)
@@ -267,7 +266,7 @@ def test_inherited_run_and_experiment_ids_do_not_hijack(
 def test_nan_is_kept_and_a_refused_param_is_skipped(
     store: str, experiment: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="pbt.controller.tracking")
+    caplog.set_level(logging.WARNING, logger="pbt.tracking.tracker")
     with Tracker(store, experiment, tmp_path) as tracker:
         tracker.start_run("m0", name="m0", params={"lr": 1e-4, "group_size": 4})
         tracker.log_metrics("m0", {"loss": math.nan, "kl": math.inf, "reward": 1.0}, 0)
@@ -292,7 +291,7 @@ def test_nan_is_kept_and_a_refused_param_is_skipped(
 def test_a_server_outage_loses_nothing_and_blocks_nothing(
     server: MlflowServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="pbt.controller.tracking")
+    caplog.set_level(logging.WARNING, logger="pbt.tracking.tracker")
     tracker = Tracker(server.uri, "outage", tmp_path / "journal")
     try:
         tracker.start_run("population", name="campaign")
@@ -326,14 +325,14 @@ def test_a_server_outage_loses_nothing_and_blocks_nothing(
     assert len(_steps(server.uri, run_id, "loss")) == step + 1
     run = _client(server.uri).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.0001"}
-    messages = [r.getMessage() for r in caplog.records if r.name == "pbt.controller.tracking"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "pbt.tracking.tracker"]
     assert sum("unreachable" in m for m in messages) == 1, messages
     assert sum("reachable again" in m for m in messages) == 1, messages
 
 
 _CREATE_STORE = """
 import sys
-from pbt.controller.tracking import _create_sqlite_store
+from pbt.tracking.tracker import _create_sqlite_store
 _create_sqlite_store(sys.argv[1], None)
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pbt.algorithms.checkpoint import load_checkpoint
-from pbt.controller.launch import PersistentLauncher, TaskSpec, member_command
+from pbt.launch.local import PersistentLauncher, TaskSpec, member_command
 from pbt.protocol.files import RELEASED, write_json_atomic
 from pbt.protocol.progress import read_progress
 

@@ -15,8 +15,8 @@ from pbt.config.errors import PbtError
 from pbt.config.loader import read_manifest_file
 from pbt.controller.campaign import STORE_FILENAME
 from pbt.controller.lock import controller_running
-from pbt.controller.processes import kill_orphan
-from pbt.controller.slurm import SlurmQueue, cancel_campaign_jobs, live_jobs
+from pbt.launch.processes import kill_orphan
+from pbt.launch.slurm import SlurmQueue, cancel_campaign_jobs, live_jobs
 
 STOP_WAIT_S = 180.0
 """How long ``pbt stop`` waits for the controller to cancel its members and exit."""

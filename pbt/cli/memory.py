@@ -1,6 +1,6 @@
 """``pbt estimate-memory MANIFEST``: what each member of a manifest needs on a GPU, term by
 term, whether it fits, and which knob to turn if it does not (the arithmetic is
-:mod:`pbt.controller.memory`); and the warning ``pbt check`` prints when it does not fit.
+:mod:`pbt.estimate.memory`); and the warning ``pbt check`` prints when it does not fit.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import load_manifest
-from pbt.controller.memory import (
+from pbt.estimate.memory import (
     CUDA_CONTEXT_GIB,
     DEFAULT_GPU_GIB,
     DEFAULT_PROMPT_TOKENS,
@@ -25,7 +25,7 @@ from pbt.controller.memory import (
     estimate,
     plan_from_manifest,
 )
-from pbt.controller.model_shape import ModelShape, read_model_shape
+from pbt.estimate.model_shape import ModelShape, read_model_shape
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

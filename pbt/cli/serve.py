@@ -20,10 +20,10 @@ from pathlib import Path
 
 from pbt.config.errors import PbtError
 from pbt.config.loader import manifest_from_dict
-from pbt.controller.run_schema import campaign_experiment, population_experiment
-from pbt.controller.search import study_storage
 from pbt.controller.store import CampaignStore
-from pbt.controller.tracking import default_uri
+from pbt.evolution.search import study_storage
+from pbt.tracking.run_schema import campaign_experiment, population_experiment
+from pbt.tracking.tracker import default_uri
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Besides Ctrl-C: what ``kill`` sends by default, and a closed terminal."""

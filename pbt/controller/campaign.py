@@ -40,7 +40,6 @@ from pbt.config import Manifest
 from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
-from pbt.controller import slurm
 from pbt.controller.budget import (
     FLAGS,
     Spent,
@@ -50,16 +49,10 @@ from pbt.controller.budget import (
     with_budget,
 )
 from pbt.controller.campaign_log import CampaignLog
-from pbt.controller.launch import (
-    LocalLauncher,
-    Outcome,
-    PersistentLauncher,
-    TaskSpec,
-    member_command,
-)
 from pbt.controller.lock import ControllerLock
-from pbt.controller.mps import MpsDaemon
-from pbt.controller.population import (
+from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
+from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.evolution.breeding import (
     breed,
     build_mutations,
     build_pb2,
@@ -67,11 +60,18 @@ from pbt.controller.population import (
     initial_records,
     selection_events,
 )
-from pbt.controller.processes import end_campaign_processes
-from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
-from pbt.controller.search import study_storage
-from pbt.controller.store import STORE_FILENAME, CampaignStore
-from pbt.controller.trials import Trials
+from pbt.evolution.search import study_storage
+from pbt.evolution.trials import Trials
+from pbt.launch import slurm
+from pbt.launch.local import (
+    LocalLauncher,
+    Outcome,
+    PersistentLauncher,
+    TaskSpec,
+    member_command,
+)
+from pbt.launch.mps import MpsDaemon
+from pbt.launch.processes import end_campaign_processes
 from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
 from pbt.protocol.faults import NOT_RETRIED

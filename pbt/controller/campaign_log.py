@@ -1,10 +1,10 @@
 """What a campaign tells MLflow: one parent run for the campaign, one child run per member.
 
 The controller logs everything (member processes only write their results), through a
-:class:`pbt.controller.tracking.Tracker` whose journal lives in the campaign directory: logging
+:class:`pbt.tracking.tracker.Tracker` whose journal lives in the campaign directory: logging
 never blocks the controller, and whatever the tracking store missed (down, or the controller
 killed) is sent when the campaign resumes. The runs' params and tags, logged once, follow
-:mod:`pbt.controller.run_schema`, which library mode shares.
+:mod:`pbt.tracking.run_schema`, which library mode shares.
 
 - Parent run: the validated configuration, seed and package version as params, the manifest as
   an artifact; per generation the best and mean fitness and, for every member slot, its fitness
@@ -26,14 +26,14 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.controller.report import fitness_png, hyperparameters_png, lineage_png
-from pbt.controller.run_schema import (
+from pbt.protocol.records import MemberRecord
+from pbt.tracking.run_schema import (
     CAMPAIGN_RUN,
     campaign_experiment,
     start_member,
     start_parent,
 )
-from pbt.controller.tracking import Tracker, default_uri
-from pbt.protocol.records import MemberRecord
+from pbt.tracking.tracker import Tracker, default_uri
 
 PARENT = CAMPAIGN_RUN
 

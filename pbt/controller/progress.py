@@ -33,7 +33,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from pbt.config.errors import PbtError
-from pbt.controller.launch import TaskSpec
+from pbt.launch.local import TaskSpec
 from pbt.protocol.progress import Progress, read_progress
 
 EVERY_S = 10.0

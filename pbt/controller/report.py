@@ -15,8 +15,8 @@ from pathlib import Path
 from pbt.config.errors import PbtError
 from pbt.controller.lock import controller_running, last_controller
 from pbt.controller.progress import describe, format_duration
-from pbt.controller.slurm import WAITING, read_job
 from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.launch.slurm import WAITING, read_job
 from pbt.protocol.progress import read_progress
 from pbt.protocol.records import MemberRecord
 

@@ -16,7 +16,7 @@ from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import range_specs
-from pbt.controller.population import initial_records
+from pbt.evolution.breeding import initial_records
 from pbt.library.agilerl import agilerl_sections, create_call
 from pbt.library.population import Agent, Population
 

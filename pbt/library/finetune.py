@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config.errors import ConfigError
-from pbt.controller.population import build_selection
+from pbt.evolution.breeding import build_selection
 from pbt.library.loop import train_population
 from pbt.library.population import Population
 

@@ -27,17 +27,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pbt.config.errors import ConfigError, PbtError
-from pbt.controller.run_schema import (
+from pbt.library.population import Agent, Population
+from pbt.protocol.files import read_json, write_json_atomic
+from pbt.protocol.paths import inside, plain_name
+from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
+from pbt.tracking.run_schema import (
     POPULATION_RUN,
     population_experiment,
     start_member,
     start_parent,
 )
-from pbt.controller.tracking import Tracker, default_uri
-from pbt.library.population import Agent, Population
-from pbt.protocol.files import read_json, write_json_atomic
-from pbt.protocol.paths import inside, plain_name
-from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
+from pbt.tracking.tracker import Tracker, default_uri
 
 STATE_FILE = "population.json"
 STATE_VERSION = 1
@@ -297,7 +297,7 @@ class _Run:
 
     def _start_runs(self) -> None:
         """Start (or reopen) the population's run and every member's, as
-        :mod:`pbt.controller.run_schema` says."""
+        :mod:`pbt.tracking.run_schema` says."""
         if self.tracker is None:
             return
         start_parent(

@@ -33,7 +33,7 @@ from pbt.config import Manifest
 from pbt.config.errors import PbtError
 from pbt.config.fsdp import FSDPConfig
 from pbt.config.ranges import BatchRule, batch_rule
-from pbt.controller.population import breed, build_mutations, build_selection, child_record
+from pbt.evolution.breeding import breed, build_mutations, build_selection, child_record
 from pbt.protocol.records import MemberRecord, member_seed
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from pbt.algorithms.rollout.hf import RolloutBatch
     from pbt.algorithms.shared_base import SharedBase
     from pbt.algorithms.tasks import Example
-    from pbt.controller.mutation import Mutations
-    from pbt.controller.selection import Selected, TournamentSelection
+    from pbt.evolution.mutation import Mutations
+    from pbt.evolution.selection import Selected, TournamentSelection
 
 
 class Agent:

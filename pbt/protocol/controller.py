@@ -5,7 +5,7 @@ in turn (torchrun's ranks, their helpers) inherits:
 
 - ``PBT_CAMPAIGN``: the campaign folder, resolved. A resumed controller ends every process
   whose environment names its campaign before it starts anything, and again before it exits
-  (:func:`pbt.controller.processes.end_campaign_processes`), whatever a killed predecessor
+  (:func:`pbt.launch.processes.end_campaign_processes`), whatever a killed predecessor
   left running, in whatever session.
 - ``PBT_CONTROLLER``: ``<pid>:<start time>`` of the controller that started it (the start in
   clock ticks after boot, ``/proc/<pid>/stat`` field 22, which tells the controller from a

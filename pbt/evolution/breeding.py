@@ -10,10 +10,10 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
-from pbt.controller.mutation import Mutations
-from pbt.controller.pb2 import PB2Explore, observations
-from pbt.controller.search import sample_initial
-from pbt.controller.selection import Selected, TournamentSelection, TruncationSelection
+from pbt.evolution.mutation import Mutations
+from pbt.evolution.pb2 import PB2Explore, observations
+from pbt.evolution.search import sample_initial
+from pbt.evolution.selection import Selected, TournamentSelection, TruncationSelection
 from pbt.protocol.records import MemberRecord, member_id
 
 

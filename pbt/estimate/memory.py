@@ -1,5 +1,5 @@
 """A member's peak GPU memory per rank, predicted before launch from the model's shape (its
-``config.json``, read by :mod:`pbt.controller.model_shape`) and the manifest (``pbt
+``config.json``, read by :mod:`pbt.estimate.model_shape`) and the manifest (``pbt
 estimate-memory``; ``pbt check`` warns when it exceeds the GPU).
 
 The arithmetic, first principles, for a Llama-style decoder (Qwen2/2.5/3, Llama, Mistral: RMSNorm,
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from pbt.config import RL_ALGORITHMS, Manifest
 from pbt.config.fsdp import FSDPConfig
-from pbt.controller.model_shape import PROJECTIONS, ModelShape
+from pbt.estimate.model_shape import PROJECTIONS, ModelShape
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5

@@ -13,17 +13,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
-from pbt.controller.population import INIT_STUDY, child_record, lineage_event
-from pbt.controller.search import (
+from pbt.evolution.breeding import INIT_STUDY, child_record, lineage_event
+from pbt.evolution.search import (
     OptunaSearch,
     record_initial_fitness,
     record_members,
     study_storage,
 )
-from pbt.controller.store import CampaignStore
 from pbt.protocol.records import MemberRecord, member_id
 
 SEARCH_STUDY = "search"
@@ -32,12 +32,19 @@ POPULATION_STUDY = "population"
 """Every trained PBT member as a completed trial, for optuna-dashboard."""
 
 
+class MemberLookup(Protocol):
+    """Where a member's record is read by id: the campaign's store
+    (:class:`pbt.controller.store.CampaignStore`) in practice."""
+
+    def member(self, member_id: str) -> MemberRecord: ...
+
+
 @dataclass(slots=True)
 class Trials:
     """The trials of one campaign: what each slot trains next, and the fitness recorded."""
 
     manifest: Manifest
-    store: CampaignStore
+    store: MemberLookup
     directory: Path
 
     def search(self) -> OptunaSearch:

@@ -22,7 +22,7 @@ import random
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import BatchRule, HPRange, mutation_problems, typed_range
-from pbt.controller.selection import Selected
+from pbt.evolution.selection import Selected
 
 
 class Mutations:

@@ -1,5 +1,5 @@
 """The shape of a decoder as its ``config.json`` states it, read without loading the model: what
-:mod:`pbt.controller.memory` needs to predict a member's memory."""
+:mod:`pbt.estimate.memory` needs to predict a member's memory."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pbt import __version__
 from pbt.config import Manifest
-from pbt.controller.tracking import Tracker
+from pbt.tracking.tracker import Tracker
 
 CAMPAIGN_RUN = "campaign"
 """The tracker key of a campaign's parent run."""

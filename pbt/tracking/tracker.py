@@ -43,7 +43,7 @@ from typing import Any
 from pbt.config.errors import PbtError
 from pbt.protocol.files import read_json, write_json_atomic
 
-_LOG = logging.getLogger("pbt.controller.tracking")
+_LOG = logging.getLogger("pbt.tracking.tracker")
 
 JOURNAL_FILE = "journal.jsonl"
 SENT_FILE = "sent"

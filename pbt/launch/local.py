@@ -15,7 +15,7 @@ port 0, read back by its ranks), so no other process can take the port between i
 its bind; a command of the caller's that names ``{port}`` gets one that was free when chosen.
 Every process of a task carries the campaign and the controller in its environment
 (:mod:`pbt.protocol.controller`): a long-lived worker ends soon after its controller dies, and
-a resumed controller ends whatever its predecessor left running. :mod:`pbt.controller.slurm` runs
+a resumed controller ends whatever its predecessor left running. :mod:`pbt.launch.slurm` runs
 the same tasks as Slurm jobs behind the same ``run`` contract; a process group there is a job.
 
 A member that fails for want of memory or disk, because its training diverged, because a
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pbt.config.errors import PbtError
-from pbt.controller.processes import (
+from pbt.launch.processes import (
     KILL_GRACE_S,
     describe_exit,
     kill_groups,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pbt.config.ranges import BatchRule, HPRange, keep_batch_rule, typed_range
-from pbt.controller.selection import Selected
+from pbt.evolution.selection import Selected
 from pbt.protocol.records import MemberRecord
 
 CANDIDATES = 256

@@ -33,8 +33,8 @@ from typing import Any
 
 from pbt.config.campaign import SlurmConfig
 from pbt.config.errors import PbtError
-from pbt.controller.launch import LocalLauncher, PersistentLauncher, _Running
-from pbt.controller.processes import JOB_CANCEL_WAIT_S
+from pbt.launch.local import LocalLauncher, PersistentLauncher, _Running
+from pbt.launch.processes import JOB_CANCEL_WAIT_S
 from pbt.protocol.files import read_json, write_json_atomic
 
 JOB_FILE = "job.json"
