@@ -314,7 +314,7 @@ def test_the_real_model_examples_load_and_fit_one_gpu(monkeypatch):
     reads the GGUF's shape: 8 members of it fit one H200."""
     from pbt.cli.memory import memory_warning
     from pbt.config.loader import load_manifest
-    from pbt.controller.model_shape import read_model_shape
+    from pbt.estimate.model_shape import read_model_shape
 
     model = real_model(convert=False)
     monkeypatch.setenv("PBT_CACHE_DIR", str(model.cache))
