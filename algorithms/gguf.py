@@ -4,7 +4,7 @@ loads like any other.
 transformers reads a GGUF file (through the ``gguf`` package) by dequantizing every tensor,
 which takes tens of seconds on a loaded CPU; every member and worker would pay it at each start,
 and a vLLM engine would read the file its own way. So the file is converted once into
-``<cache>/gguf-v1-<sha256 of the file>`` (safetensors, config, generation config, tokenizer with
+``<cache>/gguf-v2-<sha256 of the file>`` (safetensors, config, generation config, tokenizer with
 its chat template), written into a temporary sibling and renamed into place, under an ``fcntl``
 lock so that members starting together convert it once while the others wait. The cache is
 ``$PBT_CACHE_DIR`` or ``~/.cache/pbt-llm``.
@@ -36,7 +36,7 @@ from pbt.config.gguf import GGUF_EXTRA, NotGGUFError, cache_root, read_gguf_info
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the conversion changes; part of the folder name."""
 MARKER = ".complete"
 """Written last into a finished folder; a folder without it is incomplete."""
@@ -162,6 +162,26 @@ def _needed_mib(path: Path) -> int:
         return path.stat().st_size * 4 // 2**20
 
 
+_SPECIAL_IDS = {
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _header_special_tokens(tokenizer, metadata: dict[str, object]) -> None:
+    """Take the end, start and pad tokens from the header's ids: some transformers versions
+    (5.17 seen) read SmolLM2's GGUF tokenizer with ``<|im_start|>`` as its end token and no pad
+    token, though the header names ``<|im_end|>`` (id 2) for both."""
+    size = len(tokenizer)
+    for attr, key in _SPECIAL_IDS.items():
+        token_id = metadata.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < size:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            if getattr(tokenizer, attr) != token:
+                setattr(tokenizer, attr, token)
+
+
 def convert_gguf(
     path: Path, out: Path, name: str | None = None, digest: str | None = None
 ) -> dict[str, object]:
@@ -176,6 +196,7 @@ def convert_gguf(
     info = _header(path, name)
     start = time.perf_counter()
     tokenizer, model = _load(path, name, info.architecture)
+    _header_special_tokens(tokenizer, info.metadata)
     pad_set = tokenizer.pad_token is None
     if pad_set:
         tokenizer.pad_token = tokenizer.eos_token
