@@ -4,8 +4,8 @@ Users import the algorithms by name from here, as in AgileRL::
 
     from pbt.algorithms import GRPO, CISPO, GSPO, LLMPPO, LLMReinforce, SFT, DPO, VLLMConfig
 
-Those names are AgileRL's agent classes and its ``VLLMConfig``, defined in library mode
-(:mod:`pbt.library.algorithms`), a floor above this package; they are re-exported on first use,
+Those names are AgileRL's agent classes and its ``VLLMConfig``, defined with AgileRL's call
+shapes (:mod:`pbt.agilerl.agents`), floors above this package; they are re-exported on first use,
 like ``pbt``'s own public names, so ``import pbt.algorithms`` imports no torch (nor does
 building an agent: it loads on first use) and nothing in this package depends on them
 (tests/test_layout.py holds this package's ``__getattr__`` to exactly that).
@@ -29,6 +29,6 @@ def __getattr__(name: str):
     submodule."""
     if name not in HANDLES:
         raise AttributeError(f"module 'pbt.algorithms' has no attribute {name!r}")
-    from pbt.library import algorithms
+    from pbt.agilerl import agents
 
-    return getattr(algorithms, name)
+    return getattr(agents, name)

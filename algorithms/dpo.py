@@ -16,7 +16,7 @@ import time
 import torch
 from torch import Tensor
 
-from pbt.algorithms.datasets import PreferenceExample, encode_pairs
+from pbt.algorithms.data.supervised import PreferenceExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import dpo_loss, preference_accuracy
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, sequence_logprobs

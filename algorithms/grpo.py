@@ -27,13 +27,13 @@ import torch
 from torch import Tensor
 
 from pbt.algorithms import losses
-from pbt.algorithms.examples import Chat
+from pbt.algorithms.data.examples import Chat
+from pbt.algorithms.data.rewards import Reward
+from pbt.algorithms.data.tasks import Example
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
-from pbt.algorithms.rewards import Reward
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate, sequence_logprobs
-from pbt.algorithms.tasks import Example
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from pbt.algorithms.data_order import EpochOrder
+from pbt.algorithms.data.order import EpochOrder
 from pbt.config import (
     MUTABLE_BY_ALGORITHM,
     MUTABLE_HYPERPARAMETERS,

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from pbt.algorithms import losses
 from pbt.algorithms.grpo import GRPO, IMPORTANCE_TOTALS, nonfinite_note
-from pbt.algorithms.models import lora_config
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+from pbt.algorithms.runtime.models import lora_config
 from pbt.config import LoRAConfig
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import set_gradient_sync

@@ -17,7 +17,7 @@ import time
 import torch
 from torch import Tensor
 
-from pbt.algorithms.datasets import SFTExample, encode_pairs
+from pbt.algorithms.data.supervised import SFTExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import sft_loss_terms
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs

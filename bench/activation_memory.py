@@ -179,7 +179,7 @@ def quantize_blocks(base, device) -> int:
     its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
     embeddings and the output layer stay as they are); returns how many. One layer at a time,
     so the unquantized copy of a whole model is never held twice."""
-    from pbt.algorithms.models import keep_cpu_layout
+    from pbt.algorithms.runtime.models import keep_cpu_layout
     from pbt.distributed.fsdp import transformer_blocks
 
     count = sum(quantize_block(block, device) for block in transformer_blocks(base))
@@ -221,7 +221,7 @@ def build_by_block(config, device, qlora: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.models import keep_cpu_layout
+    from pbt.algorithms.runtime.models import keep_cpu_layout
     from pbt.distributed.fsdp import transformer_blocks
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -273,9 +273,9 @@ def run_mode(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.activations import ActivationOffload, checkpoint_blocks
-    from pbt.algorithms.models import add_lora, quiet_transformers, set_mixed_precision
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.runtime.activations import ActivationOffload, checkpoint_blocks
+    from pbt.algorithms.runtime.models import add_lora, quiet_transformers, set_mixed_precision
     from pbt.config import LoRAConfig
 
     quiet_transformers()

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.runtime.member import Member
 from pbt.config.loader import manifest_from_dict
 
 VARIANTS = {

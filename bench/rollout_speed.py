@@ -61,8 +61,8 @@ def main() -> None:
     import torch
 
     from pbt.algorithms.builtin.tiny import build_shaped_model
-    from pbt.algorithms.models import add_lora, load_base_model, quiet_transformers
     from pbt.algorithms.rollout.static import Sampling, StaticDecoder
+    from pbt.algorithms.runtime.models import add_lora, load_base_model, quiet_transformers
     from pbt.config import LoRAConfig, ModelConfig
 
     quiet_transformers()

@@ -245,8 +245,8 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
     the checkpoint, gather it back and compare."""
     import torch
 
-    from pbt.algorithms.checkpoint import peft_key
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.runtime.checkpoint import peft_key
+    from pbt.algorithms.runtime.member import Member
     from pbt.config.loader import manifest_from_dict
     from pbt.distributed import pick_device, shutdown, world_info
     from pbt.distributed.state import gather_parameters

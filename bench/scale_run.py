@@ -106,7 +106,7 @@ def build_sharded(config, device, dtype, lora_r: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.models import add_lora
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
     from pbt.config.fsdp import FSDPConfig
     from pbt.distributed.fsdp import shard_model
@@ -303,7 +303,7 @@ def time_learn(learner, batch, rewards, args, device) -> tuple[float, float]:
 
 def checkpoint_figures(model, learner, shape: str, directory: Path | None, rank: int):
     """Gather the adapter and optimizer as a campaign checkpoint does, write it (rank 0)."""
-    from pbt.algorithms.checkpoint import adapter_config, peft_key, save_checkpoint
+    from pbt.algorithms.runtime.checkpoint import adapter_config, peft_key, save_checkpoint
     from pbt.distributed import barrier
     from pbt.distributed.state import gather_parameters
 
@@ -331,7 +331,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pbt.algorithms.grpo import GRPO
-    from pbt.algorithms.models import quiet_transformers
+    from pbt.algorithms.runtime.models import quiet_transformers
     from pbt.config import AlgorithmConfig, OptimConfig, RolloutConfig
     from pbt.distributed import (
         all_gather_objects,

@@ -58,7 +58,7 @@ def run_mode(mode: str, model_dir: str, members: int, device: str) -> dict:
     from transformers import Qwen2ForCausalLM  # noqa: F401
     from transformers.utils import logging as hf_logging
 
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.runtime.member import Member
     from pbt.config.loader import manifest_from_dict
     from pbt.library.create import create_population
 

@@ -71,15 +71,15 @@ def main() -> None:
 
     from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.losses import token_logprobs
-    from pbt.algorithms.models import (
+    from pbt.algorithms.rollout import hf
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.runtime.models import (
         add_lora,
         compile_decoder,
         load_base_model,
         quiet_transformers,
         set_mixed_precision,
     )
-    from pbt.algorithms.rollout import hf
-    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.config import LoRAConfig, ModelConfig
 
     quiet_transformers()

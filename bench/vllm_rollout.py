@@ -47,7 +47,7 @@ def main() -> None:
     from pbt.algorithms.builtin.tiny import build_shaped_model
     from pbt.algorithms.rollout.hf import generate
     from pbt.algorithms.rollout.vllm import Request
-    from pbt.algorithms.shared_base import SharedBase
+    from pbt.algorithms.runtime.shared_base import SharedBase
     from pbt.config.loader import manifest_from_dict
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -44,7 +44,7 @@ def _prepare(convert: bool) -> RealModel | str:
         gguf = fetch_gguf(MODEL, REAL_CACHE, say=lambda line: print(line, file=sys.stderr))
         folder = Path()
         if convert:
-            from pbt.algorithms.gguf import gguf_model_dir
+            from pbt.algorithms.runtime.gguf import gguf_model_dir
 
             folder = gguf_model_dir(gguf, MODEL, cache_dir=REAL_CACHE)
     except PbtError as err:

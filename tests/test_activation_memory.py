@@ -13,9 +13,9 @@ import pytest
 import torch
 from support import run_torchrun, small_manifest
 
-from pbt.algorithms.activations import ActivationOffload, checkpoint_blocks
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts, generate, sequence_logprobs
+from pbt.algorithms.runtime.activations import ActivationOffload, checkpoint_blocks
+from pbt.algorithms.runtime.member import Member
 from pbt.distributed.state import gather_parameters
 
 CPU = torch.device("cpu")

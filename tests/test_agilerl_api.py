@@ -12,10 +12,10 @@ import pytest
 from support import small_sections
 
 from pbt import create_population
+from pbt.agilerl.finetune import finetune_llm
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
 from pbt.hpo import HyperparameterConfig, Mutations, RLParameter, TournamentSelection
-from pbt.library.finetune import finetune_llm
 
 MUTATION_PARAMS = {"NO_MUT": 0.1, "RL_HP_MUT": 0.6, "MUT_SD": 0.1, "RAND_SEED": 42}
 

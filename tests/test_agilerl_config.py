@@ -168,8 +168,8 @@ def test_the_rubric_config_lands_its_reward_prefill_and_notes() -> None:
     assert task.eval_fraction == pytest.approx(0.2)
     assert (alg.prompts_per_step, alg.group_size, m.population.size) == (6, 2, 2)
     _notes_once(m.notes(), "environment.rubric_name ('RUBRIC'): ", "environment.max_reward (2.0): ")
-    from pbt.algorithms.rewards import build_reward
-    from pbt.algorithms.tasks import Example
+    from pbt.algorithms.data.rewards import build_reward
+    from pbt.algorithms.data.tasks import Example
 
     reward = build_reward(task, FIXTURES, None)
     rows = [Example([3, 5, 2], 13)] * 3

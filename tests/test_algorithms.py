@@ -13,7 +13,7 @@ import torch
 import yaml
 from support import run_torchrun, small_sections
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
 from pbt.library.create import create_population

@@ -16,9 +16,9 @@ from peft import PeftModel
 from support import small_manifest
 from transformers import AutoModelForCausalLM
 
-from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
-from pbt.algorithms.member import Member
-from pbt.algorithms.models import resolve_model_path
+from pbt.algorithms.runtime.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from pbt.algorithms.runtime.member import Member
+from pbt.algorithms.runtime.models import resolve_model_path
 from pbt.cli.main import main
 from pbt.config.errors import CheckpointError
 from pbt.distributed.state import DeviceCopies, gather_optimizer, load_optimizer
@@ -131,7 +131,7 @@ def test_pickle_payload_is_refused_without_running(tmp_path, capsys):
     )
     # re-sign the manifest so only the weights_only check stands in the way
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    from pbt.algorithms.checkpoint import _sha256
+    from pbt.algorithms.runtime.checkpoint import _sha256
 
     manifest["files"]["attributes.pt"] = _sha256(ckpt / "attributes.pt")
     (ckpt / "manifest.json").write_text(json.dumps(manifest))

@@ -18,8 +18,8 @@ from peft import PeftModel
 from support import small_manifest, small_sections
 from transformers import AutoModelForCausalLM
 
-from pbt.algorithms.member import Member
-from pbt.algorithms.models import resolve_model_path
+from pbt.algorithms.runtime.member import Member
+from pbt.algorithms.runtime.models import resolve_model_path
 from pbt.cli.main import main
 from pbt.config import load_manifest
 from pbt.config.canonical import manifest_from_canonical

@@ -16,8 +16,8 @@ import torch
 import yaml
 from support import small_manifest, small_sections
 
-from pbt.algorithms.member import Member
-from pbt.algorithms.rewards import Reward, RewardTerm
+from pbt.algorithms.data.rewards import Reward, RewardTerm
+from pbt.algorithms.runtime.member import Member
 from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
 from pbt.evolution.selection import TournamentSelection

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pbt.algorithms.data import check_rows
+from pbt.algorithms.data.rows import check_rows
 from pbt.config import SECTIONS, Manifest, load_manifest
 from pbt.config.canonical import canonical_sections, manifest_from_canonical, resolved_yaml
 from pbt.worker.train import default_manifest_path

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from pbt.algorithms import preference
-from pbt.algorithms.datasets import (
+from pbt.algorithms.data.supervised import (
     PreferenceExample,
     SFTExample,
     encode_pairs,
     load_preferences,
     load_sft,
 )
-from pbt.algorithms.models import load_base_model, load_tokenizer
+from pbt.algorithms.data.tasks import LETTER_TEMPLATES, letters_reward, load_task
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
-from pbt.algorithms.tasks import LETTER_TEMPLATES, letters_reward, load_task
+from pbt.algorithms.runtime.models import load_base_model, load_tokenizer
 from pbt.config import ModelConfig, TaskConfig
 from pbt.config.errors import ConfigError
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pbt.algorithms.checkpoint import load_checkpoint
+from pbt.algorithms.runtime.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -204,7 +204,7 @@ def test_the_real_model_by_name_and_before_it_is_fetched(tmp_path, capsys, monke
 
 
 def test_a_file_that_is_not_gguf_is_refused_before_anything_loads(tmp_path):
-    from pbt.algorithms.gguf import gguf_model_dir
+    from pbt.algorithms.runtime.gguf import gguf_model_dir
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGML" + bytes(64))
@@ -214,7 +214,7 @@ def test_a_file_that_is_not_gguf_is_refused_before_anything_loads(tmp_path):
 
 
 def test_an_architecture_transformers_cannot_read_is_one_line(tmp_path):
-    from pbt.algorithms.gguf import gguf_model_dir
+    from pbt.algorithms.runtime.gguf import gguf_model_dir
 
     odd = write_gguf(tmp_path / "odd.gguf", architecture="rwkv6")
     with pytest.raises(ConfigError) as caught:
@@ -229,7 +229,7 @@ CONVERT = textwrap.dedent(
     """
     import json, resource, signal, sys
     from pathlib import Path
-    from pbt.algorithms.gguf import gguf_model_dir
+    from pbt.algorithms.runtime.gguf import gguf_model_dir
     from pbt.config.errors import PbtError
 
     gguf, cache, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]

@@ -11,9 +11,9 @@ from support import small_manifest, small_sections
 
 from pbt import create_population
 from pbt.algorithms import losses
-from pbt.algorithms.checkpoint import load_checkpoint, peft_key
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import sequence_logprobs
+from pbt.algorithms.runtime.checkpoint import load_checkpoint, peft_key
+from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import base_hyperparameters, batch_rule, keep_batch_rule
 from pbt.distributed.state import load_parameters

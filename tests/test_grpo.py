@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from support import small_manifest
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.runtime.member import Member
 from pbt.protocol.collapse import ZERO_SIGNAL_HINT
 
 CPU = torch.device("cpu")

@@ -255,8 +255,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         '{"question": "What is 2+3?", "answer": "5"}\n{"question": "Spell cat", "answer": "cat"}\n'
     )
     # the reward check's first import is seconds of torch and datasets: not a case's time
-    importlib.import_module("pbt.algorithms.data")
-    importlib.import_module("pbt.algorithms.tasks")
+    importlib.import_module("pbt.algorithms.data.rows")
+    importlib.import_module("pbt.algorithms.data.tasks")
 
     return folder
 

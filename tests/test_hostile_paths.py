@@ -204,7 +204,7 @@ def test_a_tracking_journal_naming_outside_files_deletes_and_uploads_nothing(tmp
 def test_reward_files_load_only_from_where_the_manifest_says(tmp_path, monkeypatch):
     """Decoys named like the reward file, in the working directory and on ``sys.path``, are
     never imported; a missing file is an error, not a search."""
-    from pbt.algorithms.rewards import load_reward_fn
+    from pbt.algorithms.data.rewards import load_reward_fn
 
     decoy = tmp_path / "decoy"
     decoy.mkdir()

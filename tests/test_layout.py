@@ -7,15 +7,15 @@ Every module under the package-dir mapping is read with ``ast`` (function-level 
     1  pbt.protocol
     2  pbt.evolution, pbt.tracking, pbt.distributed
     3  pbt.algorithms
-    4  pbt.controller, pbt.launch, pbt.worker, pbt.library, pbt.estimate, pbt.hpo, pbt.train
-    5  pbt.agilerl
+    4  pbt.controller, pbt.launch, pbt.worker, pbt.library, pbt.estimate, pbt.train
+    5  pbt.agilerl, pbt.hpo (AgileRL's import path for its selection and mutation)
     6  pbt.cli
 
 as DESIGN.md's layout names them.
 
 A module may import its own floor and the floors below, never one above; no module may reach
 itself again through its imports. The one exception is a package's public face (``FACADES``):
-``pbt.algorithms`` re-exports the algorithm handles of ``pbt.library.algorithms`` by a lazy
+``pbt.algorithms`` re-exports the algorithm handles of ``pbt.agilerl.agents`` by a lazy
 ``__getattr__``, so users write ``from pbt.algorithms import GRPO`` as in AgileRL. That import
 serves users only: no project module may import the package ``pbt.algorithms`` itself (only its
 submodules), so no code of a lower floor can come to depend on a higher one through it. A project import inside a function is allowed only when it
@@ -49,7 +49,7 @@ FLOORS = {
     "pbt.worker": 4,
     "pbt.library": 4,
     "pbt.estimate": 4,
-    "pbt.hpo": 4,
+    "pbt.hpo": 5,
     "pbt.train": 4,
     "pbt.agilerl": 5,
     "pbt.cli": 6,
@@ -60,7 +60,7 @@ TORCH_FREE = (
 )  # fmt: skip
 """The controller side: packages whose modules never import torch, at module level or through
 what they import."""
-FACADES = {"pbt.algorithms": {"pbt.library.algorithms"}}
+FACADES = {"pbt.algorithms": {"pbt.agilerl.agents"}}
 """Packages whose ``__init__`` re-exports, lazily and for users only, names of a higher floor."""
 HEAVY = {
     "torch", "transformers", "peft", "vllm", "mlflow", "optuna", "optuna_dashboard",

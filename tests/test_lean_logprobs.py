@@ -6,9 +6,9 @@ import pytest
 import torch
 from support import small_manifest
 
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout import hf as rollout
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+from pbt.algorithms.runtime.member import Member
 
 CPU = torch.device("cpu")
 
@@ -121,7 +121,7 @@ def test_an_adapted_output_layer_takes_the_full_logits(member):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.models import resolve_model_path
+    from pbt.algorithms.runtime.models import resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
     adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))

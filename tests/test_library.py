@@ -14,7 +14,7 @@ import torch
 from support import run_torchrun, small_sections
 
 from pbt import GRPO, create_population, train_population
-from pbt.algorithms.checkpoint import load_checkpoint
+from pbt.algorithms.runtime.checkpoint import load_checkpoint
 from pbt.config.errors import ConfigError, PbtError
 from pbt.worker.task import run_task
 

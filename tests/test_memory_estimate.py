@@ -197,8 +197,8 @@ def _saved_bytes(layers: int, autocast: bool) -> int:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from pbt.algorithms.models import add_lora
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
 
     torch.manual_seed(0)
@@ -253,9 +253,9 @@ def _recompute_working_set(intermediate: int, tokens: int) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from pbt.algorithms.activations import checkpoint_blocks
-    from pbt.algorithms.models import add_lora
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.runtime.activations import checkpoint_blocks
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
 
     class Live(TorchDispatchMode):
@@ -570,8 +570,8 @@ def test_check_warns_when_members_would_not_fit(tmp_path: Path):
 
 
 def test_the_constants_mirror_the_code_they_describe():
-    from pbt.algorithms import activations
     from pbt.algorithms.rollout import hf, static
+    from pbt.algorithms.runtime import activations
 
     assert memory.LOGIT_CHUNK_BYTES == hf.LOGIT_CHUNK_BYTES
     assert memory.STATIC_LENGTH_BUCKET == static.LENGTH_BUCKET

@@ -16,8 +16,8 @@ import torch
 from support import small_manifest, write_manifest
 
 from pbt.algorithms import losses
-from pbt.algorithms.member import Member
 from pbt.algorithms.objectives import OBJECTIVES, get_objective
+from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError, DivergedError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.campaign import Campaign

@@ -17,12 +17,12 @@ import torch
 import yaml
 from support import small_sections
 
-from pbt.algorithms.data import parse_hub, split_rows
-from pbt.algorithms.data_order import EpochOrder
-from pbt.algorithms.examples import Example
-from pbt.algorithms.member import Member
+from pbt.algorithms.data.examples import Example
+from pbt.algorithms.data.order import EpochOrder
+from pbt.algorithms.data.rows import parse_hub, split_rows
+from pbt.algorithms.data.tasks import load_task
 from pbt.algorithms.rollout.hf import chat_prompts
-from pbt.algorithms.tasks import load_task
+from pbt.algorithms.runtime.member import Member
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
@@ -203,7 +203,7 @@ def test_a_resumed_and_a_cloned_member_read_on_from_their_parents_position(tmp_p
     """In process, tiny model: one member draws straight on; another is saved after a training
     step and two draws, loaded into a fresh member, and cloned (library mode's shared base):
     all three read the same prompts next, across an epoch boundary."""
-    from pbt.algorithms.shared_base import SharedBase
+    from pbt.algorithms.runtime.shared_base import SharedBase
 
     sections = small_sections(tmp_path, task={"train_size": 6, "eval_size": 4})
     manifest = manifest_from_dict(sections, base_dir=tmp_path)
@@ -236,7 +236,7 @@ def _export_letters(folder: Path, seed: int, train_size: int, eval_size: int) ->
             folder / f"{name}.jsonl", [{"question": e.question, "answer": e.answer} for e in split]
         )
     (folder / "letters.py").write_text(
-        "from pbt.algorithms.tasks import letters_reward\n\n\n"
+        "from pbt.algorithms.data.tasks import letters_reward\n\n\n"
         "def reward(completion, answer, question):\n"
         "    return letters_reward(completion, answer, question)\n"
     )

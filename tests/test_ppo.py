@@ -13,8 +13,6 @@ from safetensors.torch import load_file
 from support import run_torchrun, small_manifest, small_sections
 from transformers import AutoModelForCausalLM
 
-from pbt.algorithms.member import Member
-from pbt.algorithms.models import resolve_model_path
 from pbt.algorithms.ppo import (
     VALUE_ADAPTER,
     active_adapter,
@@ -24,6 +22,8 @@ from pbt.algorithms.ppo import (
     token_rewards,
 )
 from pbt.algorithms.rollout.hf import RolloutBatch
+from pbt.algorithms.runtime.member import Member
+from pbt.algorithms.runtime.models import resolve_model_path
 from pbt.config.loader import manifest_from_dict
 from pbt.library.create import create_population
 

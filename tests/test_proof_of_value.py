@@ -19,7 +19,7 @@ import proof_of_value as harness
 import proof_stats as stats
 import proof_tasks
 
-from pbt.algorithms.member import load_data
+from pbt.algorithms.runtime.member import load_data
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.store import STORE_FILENAME, CampaignStore
 

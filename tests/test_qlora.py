@@ -64,7 +64,7 @@ def _manifest(tmp_path: Path, quantization: dict | None, **more: dict):
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory: pytest.TempPathFactory):
     """A member on an fp4 base trained 12 steps of the letters task, saved."""
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.runtime.member import Member
 
     tmp = tmp_path_factory.mktemp("qlora")
     manifest = _manifest(
@@ -97,8 +97,8 @@ def test_a_qlora_member_learns(learned):
 
 
 def test_the_checkpoint_records_the_quantization_and_refuses_another(learned, tmp_path):
-    from pbt.algorithms.checkpoint import load_checkpoint
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.runtime.checkpoint import load_checkpoint
+    from pbt.algorithms.runtime.member import Member
 
     _, _, _, tmp = learned
     attrs = load_checkpoint(tmp / "ckpt")
@@ -215,7 +215,7 @@ def test_fsdp2_qlora_gives_one_ranks_losses(runs: Path):
 
 @pytest.mark.integration
 def test_qlora_checkpoints_move_between_world_sizes(runs: Path):
-    from pbt.algorithms.checkpoint import load_checkpoint
+    from pbt.algorithms.runtime.checkpoint import load_checkpoint
 
     got, want = _losses(runs / "one-on-dp.json"), _losses(runs / "one.json")
     assert got.keys() == {3, 4}
@@ -266,7 +266,7 @@ def test_quantization_settings_are_checked(tmp_path):
 
 
 def test_quantization_without_bitsandbytes_says_what_to_install(tmp_path, monkeypatch):
-    from pbt.algorithms.models import bnb_config
+    from pbt.algorithms.runtime.models import bnb_config
 
     manifest = _manifest(tmp_path, {})
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what an absent package looks like
@@ -291,7 +291,7 @@ def test_the_bench_quantizes_what_model_quantization_loads():
     their 4-bit bytes are those ``model.quantization`` gives through ``from_pretrained``."""
     from bitsandbytes.nn import Linear4bit
 
-    from pbt.algorithms.models import load_base_model
+    from pbt.algorithms.runtime.models import load_base_model
     from pbt.config import ModelConfig, QuantizationConfig
 
     loaded = load_base_model(ModelConfig(quantization=QuantizationConfig()), CPU)
@@ -341,7 +341,7 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
     one does (tests/test_memory_estimate.py)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from pbt.algorithms.models import add_lora
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
     from pbt.estimate.memory import Plan, adapter_params, layer_bytes
     from pbt.estimate.model_shape import shape_from_config
@@ -381,9 +381,9 @@ def test_offloading_moves_the_same_tensors_on_a_4bit_base():
     from bitsandbytes.nn import Params4bit
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from pbt.algorithms.activations import ActivationOffload
-    from pbt.algorithms.models import add_lora
     from pbt.algorithms.rollout.hf import sequence_logprobs
+    from pbt.algorithms.runtime.activations import ActivationOffload
+    from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
 
     config = {
@@ -431,7 +431,7 @@ def test_a_member_on_a_4bit_base_shares_the_adapters_inputs(
     ``torch.is_autocast_enabled()``, CUDA's; here it is told the CPU's autocast, which runs the
     same step on this machine."""
     from pbt.algorithms.builtin.tiny import build_shaped_model
-    from pbt.algorithms.models import add_lora, load_base_model
+    from pbt.algorithms.runtime.models import add_lora, load_base_model
     from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
     from pbt.estimate.memory import Plan, adapter_params, layer_bytes
     from pbt.estimate.model_shape import shape_from_config

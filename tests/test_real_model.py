@@ -138,7 +138,7 @@ def _decode_alike(model: RealModel, adapter: Path) -> None:
 VLLM_DRIVER = """
 import json, sys
 import torch
-from pbt.algorithms.member import Member
+from pbt.algorithms.runtime.member import Member
 from pbt.algorithms.rollout.hf import generate
 from pbt.config.loader import manifest_from_dict
 

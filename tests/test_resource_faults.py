@@ -19,7 +19,7 @@ import torch
 import yaml
 from support import write_manifest
 
-from pbt.algorithms.checkpoint import load_checkpoint, save_checkpoint
+from pbt.algorithms.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pbt.config.errors import CheckpointError, PbtError
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import status_text
@@ -69,7 +69,7 @@ def _check_previous_intact(root: Path, before: dict[str, str]) -> None:
 WRITE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent(
     """
     import resource, signal, sys, torch
-    from pbt.algorithms.checkpoint import save_checkpoint
+    from pbt.algorithms.runtime.checkpoint import save_checkpoint
     from pbt.config.errors import CheckpointError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead

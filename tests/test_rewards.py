@@ -12,10 +12,10 @@ import pytest
 import torch
 from support import small_manifest, small_sections, write_manifest
 
-from pbt.algorithms.member import Member
-from pbt.algorithms.reasoning_gym import Scorer, extract_answer
-from pbt.algorithms.rewards import Reward, RewardTerm, build_reward
-from pbt.algorithms.tasks import Example, load_task
+from pbt.algorithms.data.reasoning_gym import Scorer, extract_answer
+from pbt.algorithms.data.rewards import Reward, RewardTerm, build_reward
+from pbt.algorithms.data.tasks import Example, load_task
+from pbt.algorithms.runtime.member import Member
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError, RewardError
 from pbt.protocol import faults

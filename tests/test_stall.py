@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from pbt.algorithms.stall import WATCH_STEPS, StallWatch
+from pbt.worker.stall import WATCH_STEPS, StallWatch
 
 
 def _steps(rewards, zero_signal=0.5, length=10.0):

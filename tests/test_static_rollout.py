@@ -12,9 +12,9 @@ import pytest
 import torch
 from support import small_manifest
 
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import generate, sequence_logprobs
 from pbt.algorithms.rollout.static import Sampling, pick_tokens
+from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pbt.algorithms.tasks import Example, arithmetic_reward, letters_reward, load_task
+from pbt.algorithms.data.tasks import Example, arithmetic_reward, letters_reward, load_task
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError
 

@@ -261,10 +261,10 @@ def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.member import Member
-    from pbt.algorithms.models import resolve_model_path
     from pbt.algorithms.rollout import vllm as vllm_engine
     from pbt.algorithms.rollout.hf import sequence_logprobs
+    from pbt.algorithms.runtime.member import Member
+    from pbt.algorithms.runtime.models import resolve_model_path
 
     member = Member(manifest_from_dict(small_sections(tmp_path), base_dir=tmp_path), CPU, "m0")
     fake = _RecordingEngine(member.tokenizer.eos_token_id)

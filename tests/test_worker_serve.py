@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pbt.algorithms.checkpoint import load_checkpoint
+from pbt.algorithms.runtime.checkpoint import load_checkpoint
 from pbt.launch.local import PersistentLauncher, TaskSpec, member_command
 from pbt.protocol.files import RELEASED, write_json_atomic
 from pbt.protocol.progress import read_progress

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pbt.algorithms.examples import Chat, as_messages
+from pbt.algorithms.data.examples import Chat, as_messages
 from pbt.algorithms.losses import token_logprobs
-from pbt.algorithms.models import mixed_precision
+from pbt.algorithms.runtime.models import mixed_precision
 from pbt.config import RolloutConfig
 
 
@@ -184,7 +184,7 @@ def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
     """Log-probs ``[N, C]`` of the batch's completion tokens under ``model``.
 
     Gradients flow when called outside ``torch.no_grad()``; the passes run under the model's
-    mixed precision (see :func:`~pbt.algorithms.models.set_mixed_precision`). The lean path (a plain linear
+    mixed precision (see :func:`~pbt.algorithms.runtime.models.set_mixed_precision`). The lean path (a plain linear
     output layer, no logit post-processing): columns that are padding in every row are cut
     off first, and the output layer's logits are never held for the whole batch: each chunk of
     about :data:`LOGIT_CHUNK_BYTES` of float32 logits is computed, reduced to the target's

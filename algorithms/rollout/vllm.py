@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from pbt.algorithms.checkpoint import POLICY_ADAPTER, adapter_config, peft_key
-from pbt.algorithms.examples import Chat
-from pbt.algorithms.models import resolve_dtype
+from pbt.algorithms.data.examples import Chat
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
+from pbt.algorithms.runtime.checkpoint import POLICY_ADAPTER, adapter_config, peft_key
+from pbt.algorithms.runtime.models import resolve_dtype
 from pbt.config import VLLM_FIELDS, Manifest
 from pbt.config.errors import PbtError
 from pbt.distributed import all_gather_objects, before_shutdown, world_info

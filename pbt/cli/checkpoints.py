@@ -2,7 +2,7 @@
 
 These commands load torch (a checkpoint is torch data) but no model unless ``--merge`` asks
 for one; the controller never calls them. Both read only the files the checkpoint's manifest
-lists, never through a symbolic link (:mod:`pbt.algorithms.checkpoint`): a checkpoint that holds
+lists, never through a symbolic link (:mod:`pbt.algorithms.runtime.checkpoint`): a checkpoint that holds
 one is refused, and an export copies the listed adapter files' verified bytes, nothing else.
 """
 
@@ -23,7 +23,7 @@ def inspect_text(path: Path) -> str:
     Raises:
         CheckpointError: the checkpoint fails verification (nothing is loaded then).
     """
-    from pbt.algorithms.checkpoint import load_checkpoint
+    from pbt.algorithms.runtime.checkpoint import load_checkpoint
 
     attrs = load_checkpoint(path)
     trainable = attrs["trainable"]
@@ -61,7 +61,7 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
         PbtError: ``out`` exists, or the checkpoint fails verification (a symbolic link in it
             included).
     """
-    from pbt.algorithms.checkpoint import load_checkpoint
+    from pbt.algorithms.runtime.checkpoint import load_checkpoint
 
     if out.exists():
         raise PbtError(f"{out} already exists; choose a new output folder")
@@ -77,7 +77,7 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
         config = json.loads((adapter / "adapter_config.json").read_text())
         base_path = config["base_model_name_or_path"]
         if quantization is not None:
-            from pbt.algorithms.models import dequantized_base
+            from pbt.algorithms.runtime.models import dequantized_base
 
             base = dequantized_base(base_path, QuantizationConfig(**quantization))
         else:
@@ -91,7 +91,7 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
 def _copy_adapter(path: Path, out: Path) -> Path:
     """Write the adapter files ``path``'s manifest lists (and nothing else) to a new folder
     ``out``, each the bytes whose digest was checked; no file is written unless all verify."""
-    from pbt.algorithms.checkpoint import (
+    from pbt.algorithms.runtime.checkpoint import (
         ADAPTER_DIR,
         checkpoint_files,
         read_checkpoint_file,

@@ -75,7 +75,7 @@ def _check_rows(manifest: Manifest) -> None:
     Raises:
         ConfigError: every problem found, together.
     """
-    from pbt.algorithms.data import check_rows
+    from pbt.algorithms.data.rows import check_rows
 
     problems = check_rows(manifest.task, manifest.base_dir, manifest.algorithm.name)
     if problems:
@@ -91,7 +91,7 @@ def _check_rewards(manifest: Manifest) -> None:
     """
     if not manifest.task.reward_refs():
         return
-    from pbt.algorithms.tasks import check_rewards
+    from pbt.algorithms.data.tasks import check_rewards
 
     task, seed = manifest.task, manifest.training.seed
     problems = check_rewards(task, manifest.base_dir, seed, manifest.algorithm.name)

@@ -49,7 +49,7 @@ class RewardRef:
     def check_source(self, base_dir: Path, prefix: str) -> list[str]:
         """The file exists under ``base_dir`` and defines ``function`` at its top level. The
         source is parsed, not executed: loading a manifest runs no user code (``pbt check`` then
-        imports and calls it once, :func:`pbt.algorithms.tasks.check_rewards`)."""
+        imports and calls it once, :func:`pbt.algorithms.data.tasks.check_rewards`)."""
         path = base_dir / self.file
         try:
             tree = ast.parse(path.read_text(), filename=str(path))

@@ -93,7 +93,7 @@ LOGIT_COPIES_IN_FORWARD = 2
 STATIC_LENGTH_BUCKET = 64
 """The static decoder rounds its cache length up to this (``pbt.algorithms.rollout.static``)."""
 OFFLOAD_PREFETCH_BYTES = 2**28
-"""Offloaded activations prefetched ahead of backward (``pbt.algorithms.activations``)."""
+"""Offloaded activations prefetched ahead of backward (``pbt.algorithms.runtime.activations``)."""
 EVAL_BATCH = 64
 """Prompts decoded at once in evaluation (per rank)."""
 QUANT_BLOCK = 64

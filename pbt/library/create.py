@@ -12,12 +12,12 @@ import dataclasses
 import random
 from typing import Any
 
+from pbt.agilerl.arguments import agilerl_sections, create_call
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import range_specs
 from pbt.evolution.breeding import initial_records
-from pbt.library.agilerl import agilerl_sections, create_call
 from pbt.library.population import Agent, Population
 
 
@@ -43,7 +43,7 @@ def create_population(
 
     AgileRL's call works too: ``create_population("GRPO", None, INIT_HP, hp_config=...,
     population_size=4, tokenizer=..., lora_config=...)`` (its positional order and keyword
-    names, :mod:`pbt.library.agilerl`). Without ``population_size`` it builds
+    names, :mod:`pbt.agilerl.arguments`). Without ``population_size`` it builds
     ``INIT_HP["POP_SIZE"]`` members (AgileRL would build 1).
 
     Args:

@@ -37,10 +37,10 @@ from pbt.evolution.breeding import breed, build_mutations, build_selection, chil
 from pbt.protocol.records import MemberRecord, member_seed
 
 if TYPE_CHECKING:
-    from pbt.algorithms.member import Member, StepCallback
+    from pbt.algorithms.data.tasks import Example
     from pbt.algorithms.rollout.hf import RolloutBatch
-    from pbt.algorithms.shared_base import SharedBase
-    from pbt.algorithms.tasks import Example
+    from pbt.algorithms.runtime.member import Member, StepCallback
+    from pbt.algorithms.runtime.shared_base import SharedBase
     from pbt.evolution.mutation import Mutations
     from pbt.evolution.selection import Selected, TournamentSelection
 
@@ -377,7 +377,7 @@ class Population(Sequence[Agent]):
 
     def _shared(self) -> SharedBase:
         if self._engine is None:
-            from pbt.algorithms.shared_base import SharedBase
+            from pbt.algorithms.runtime.shared_base import SharedBase
             from pbt.distributed import pick_device, world_info
 
             _check_launch(self.manifest)

@@ -98,7 +98,7 @@ def start_task(
     parent was being written (``parent_digest`` null) loads that snapshot's state."""
     import torch
 
-    from pbt.algorithms.member import Host, Member, seed_everything
+    from pbt.algorithms.runtime.member import Host, Member, seed_everything
     from pbt.distributed import pick_device, world_info
 
     marks = [("start", time.perf_counter())]

@@ -7,7 +7,7 @@
 
 Without a manifest the built-in quickstart runs. Progress goes to stdout, one line per logged
 step, and a line explaining every step that learned nothing; every step's metrics also go to
-``<output_dir>/metrics.jsonl``. Training is :meth:`pbt.algorithms.member.Member.train`, the step
+``<output_dir>/metrics.jsonl``. Training is :meth:`pbt.algorithms.runtime.member.Member.train`, the step
 loop campaign members and library mode use too; torch and the algorithms load only when a
 member is built, so the argument parsing and manifest checks start instantly.
 """
@@ -22,10 +22,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from pbt.algorithms.stall import StallWatch
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
+from pbt.worker.stall import StallWatch
 
 
 def default_manifest_path() -> Path:
@@ -84,7 +84,7 @@ def run_member(manifest: Manifest, resume: str | None = None) -> dict[str, float
 
     Under torchrun every rank runs this; only rank 0 prints and writes files.
     """
-    from pbt.algorithms.member import Member
+    from pbt.algorithms.runtime.member import Member
     from pbt.distributed import pick_device, shutdown, world_info
 
     world = world_info()

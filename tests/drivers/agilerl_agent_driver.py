@@ -20,8 +20,8 @@ import torch
 from transformers import AutoTokenizer
 
 from pbt.algorithms import GRPO, VLLMConfig
-from pbt.algorithms.checkpoint import peft_key
-from pbt.algorithms.models import resolve_model_path
+from pbt.algorithms.runtime.checkpoint import peft_key
+from pbt.algorithms.runtime.models import resolve_model_path
 from pbt.distributed import FSDPConfig, shutdown, world_info
 from pbt.distributed.state import gather_parameters
 

@@ -12,7 +12,7 @@ an allocation fails (under `launch.memory_limit_gib`; it gives up after
 fail with ENOSPC through `PBT_FAULT_AT`. `reward` scores the first training row with the
 manifest's reward through the real `Reward` (a faulty one raises `RewardError`). All are reported as the real worker reports them
 (`pbt.protocol.faults`). With `FAKE_MEMBER_CHECKPOINT=real` the checkpoint is a real one
-(`pbt.algorithms.checkpoint`, a tensor and the state), written and read as members do.
+(`pbt.algorithms.runtime.checkpoint`, a tensor and the state), written and read as members do.
 """
 
 import json
@@ -107,7 +107,7 @@ def run_task(task_path: Path) -> None:
 def score_reward(task: dict) -> None:
     """Score the task's first training row, its answer as the completion, with the manifest's
     reward, as a member's learner does."""
-    from pbt.algorithms.tasks import load_task
+    from pbt.algorithms.data.tasks import load_task
     from pbt.config.loader import manifest_from_dict
 
     manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
@@ -131,7 +131,7 @@ def save_state(ckpt: Path, state: dict) -> str | None:
         return None
     import torch
 
-    from pbt.algorithms.checkpoint import save_checkpoint
+    from pbt.algorithms.runtime.checkpoint import save_checkpoint
 
     weight = torch.full((2, 2), float(state["fitness"]))
     attributes = {"trainable": {"base_model.fake.lora_A.weight": weight}, "state": state}
@@ -141,7 +141,7 @@ def save_state(ckpt: Path, state: dict) -> str | None:
 def load_state(ckpt: Path) -> dict:
     if not REAL_CHECKPOINT:
         return json.loads((ckpt / "state.json").read_text())
-    from pbt.algorithms.checkpoint import load_checkpoint
+    from pbt.algorithms.runtime.checkpoint import load_checkpoint
 
     return load_checkpoint(ckpt)["state"]
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from pbt.algorithms.member import Member, local_shard
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
+from pbt.algorithms.runtime.member import Member, local_shard
 from pbt.config.loader import manifest_from_dict
 from pbt.distributed import CollectiveError, shutdown, world_info
 from pbt.distributed.state import gather_parameters

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import small_sections
 from test_ppo import PPO
 
-from pbt.algorithms.member import Member
+from pbt.algorithms.runtime.member import Member
 from pbt.config.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 from pbt.distributed.state import full_tensor

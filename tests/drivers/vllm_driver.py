@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import small_sections
 
 from pbt.algorithms.rollout.hf import generate, sequence_logprobs
-from pbt.algorithms.shared_base import SharedBase
+from pbt.algorithms.runtime.shared_base import SharedBase
 from pbt.config.loader import manifest_from_dict
 
 CPU = torch.device("cpu")

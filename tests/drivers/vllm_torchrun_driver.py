@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import small_sections
 from vllm_driver import completions
 
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import generate
+from pbt.algorithms.runtime.member import Member
 from pbt.config.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 from pbt.distributed.fsdp import is_sharded

@@ -1,18 +1,18 @@
 """Tasks: prompts with answers, split into train and held-out eval, and their rewards.
 
 Rows come from one of three sources, dispatched by :func:`load_task`: the user's own files
-(``task.train``, read by :mod:`pbt.algorithms.data`), a built-in procedural task, or a
+(``task.train``, read by :mod:`pbt.algorithms.data.rows`), a built-in procedural task, or a
 reasoning-gym dataset (``task.name: reasoning_gym:<dataset>``).
 
 A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) -> float``
-(see :mod:`pbt.algorithms.rewards`, which also sums several weighted ones).
+(see :mod:`pbt.algorithms.data.rewards`, which also sums several weighted ones).
 Built-in tasks are procedural (no downloads) and deterministic for a seed, one module each
 under :mod:`pbt.algorithms.builtin`: ``builtin:letters``, ``builtin:arithmetic`` and
 ``builtin:addition`` (a fixed held-out split, and a warm-started model that learns it on a CPU).
 
 A user reward replaces the task's own: ``task.reward: {file: rewards.py, function: my_reward}``
 (or several weighted ones in ``task.rewards``), loaded only from the file the manifest names.
-A reasoning-gym dataset brings its own scorer (:mod:`pbt.algorithms.reasoning_gym`).
+A reasoning-gym dataset brings its own scorer (:mod:`pbt.algorithms.data.reasoning_gym`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pbt.algorithms.builtin.letters import (
     letters_problems,
     letters_reward,
 )
-from pbt.algorithms.data_fields import check_template, rl_example
-from pbt.algorithms.examples import Example
-from pbt.algorithms.reasoning_gym import reasoning_gym_split
-from pbt.algorithms.rewards import (
+from pbt.algorithms.data.examples import Example
+from pbt.algorithms.data.fields import check_template, rl_example
+from pbt.algorithms.data.reasoning_gym import reasoning_gym_split
+from pbt.algorithms.data.rewards import (
     Reward,
     RewardFn,
     RewardTerm,
@@ -51,7 +51,7 @@ class Task:
     and DPO).
 
     ``train`` may be a lazy sequence over memory-mapped rows (see
-    :class:`pbt.algorithms.data.Rows`): index it, never copy it whole.
+    :class:`pbt.algorithms.data.rows.Rows`): index it, never copy it whole.
     """
 
     name: str
@@ -86,7 +86,7 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
 def check_rewards(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: str) -> list[str]:
     """``pbt check``: the user's rewards load, take ``(completion, answer, question)``, and
     score the task's first training row (its answer as the completion) with a finite number
-    (:func:`pbt.algorithms.rewards.check_reward_terms`); one problem per reward that fails."""
+    (:func:`pbt.algorithms.data.rewards.check_reward_terms`); one problem per reward that fails."""
     if algorithm not in RL_ALGORITHMS or not cfg.reward_refs():
         return []
     return check_reward_terms(cfg, base_dir, _sample_row(cfg, base_dir, seed))
@@ -94,10 +94,10 @@ def check_rewards(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: s
 
 def _sample_row(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Example | None:
     """The first training row as a member sees it; None when there is none to read (a problem
-    that :func:`pbt.algorithms.data.check_rows` or the member reports)."""
+    that :func:`pbt.algorithms.data.rows.check_rows` or the member reports)."""
     try:
         if cfg.train is not None:
-            from pbt.algorithms.data import first_row
+            from pbt.algorithms.data.rows import first_row
 
             row = first_row(cfg, base_dir)
             return None if row is None else rl_example(cfg)(row)
@@ -116,7 +116,7 @@ def _file_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
                 "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             ]
         )
-    from pbt.algorithms.data import load_rows
+    from pbt.algorithms.data.rows import load_rows
 
     train, eval_ = load_rows(cfg, base_dir, seed, "GRPO", rl_example(cfg))
     return Task(cfg.source, train, eval_, build_reward(cfg, base_dir, None))

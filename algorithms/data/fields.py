@@ -3,7 +3,7 @@
 Which fields each algorithm reads (``task.question_field`` and ``answer_field`` for RL,
 ``prompt_field`` with ``response_field`` for SFT or ``chosen_field`` and ``rejected_field`` for
 DPO), the fields ``task.prompt_template`` names, and the user turn and :class:`Example` built
-from one row. No ``datasets`` here: :mod:`pbt.algorithms.data` reads the rows.
+from one row. No ``datasets`` here: :mod:`pbt.algorithms.data.rows` reads the rows.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pbt.algorithms.examples import Example
+from pbt.algorithms.data.examples import Example
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """Data for supervised fine-tuning (SFT) and preference learning (DPO), and its tokenisation.
 
 The rows come from ``builtin:letters`` (procedural, no download) or from the user's own data,
-``task.train`` (and ``task.eval``), read by :mod:`pbt.algorithms.data` like an RL task's:
+``task.train`` (and ``task.eval``), read by :mod:`pbt.algorithms.data.rows` like an RL task's:
 
 - SFT: a prompt and a response per row (fields ``task.prompt_field``, ``task.response_field``)
 - DPO: a prompt, a chosen and a rejected response (``prompt_field``, ``chosen_field``,
@@ -11,7 +11,7 @@ The rows come from ``builtin:letters`` (procedural, no download) or from the use
 field, and ``task.system_prompt`` adds a system turn.
 
 ``builtin:letters`` uses the prompts of the letters task and the same seeded split as
-:func:`pbt.algorithms.tasks.load_task`, so a model fine-tuned here and then trained with RL on
+:func:`pbt.algorithms.data.tasks.load_task`, so a model fine-tuned here and then trained with RL on
 ``builtin:letters`` (same seed and sizes) never sees the RL eval prompts. Its responses are the
 requested letter six times, space-separated (``"q q q q q q"``): the tiny model's tokenizer
 splits that into the same ``q``, ``Ġq`` x5 pattern for every letter, where an unspaced run merges
@@ -33,10 +33,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from pbt.algorithms.data_fields import user_turn
-from pbt.algorithms.examples import Chat, chat_turns
+from pbt.algorithms.data.examples import Chat, chat_turns
+from pbt.algorithms.data.fields import user_turn
+from pbt.algorithms.data.tasks import LETTERS, load_task
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
-from pbt.algorithms.tasks import LETTERS, load_task
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
 
@@ -96,7 +96,7 @@ def load_sft(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Dataset[SFTExa
 
     Raises:
         ConfigError: another task name, or rows that cannot be read (see
-            :func:`pbt.algorithms.data.load_rows`).
+            :func:`pbt.algorithms.data.rows.load_rows`).
     """
     if cfg.train is None:
         train, eval_ = _letters_split(cfg, seed)
@@ -164,8 +164,8 @@ def _letters_preference(example, rng: random.Random) -> PreferenceExample:
 
 
 def _load_rows(cfg: TaskConfig, base_dir: str | Path, seed: int, algorithm: str) -> Dataset:
-    """The user's rows through :func:`pbt.algorithms.data.load_rows`."""
-    from pbt.algorithms.data import load_rows
+    """The user's rows through :func:`pbt.algorithms.data.rows.load_rows`."""
+    from pbt.algorithms.data.rows import load_rows
 
     template = user_turn(cfg, cfg.prompt_field)
     prompt, system = cfg.prompt_field, cfg.system_prompt

@@ -6,7 +6,7 @@ vllm_config=..., pad_token_id=..., **hyperparameters)``. Their arguments fall in
 
 - mapped, with AgileRL's meaning: ``tokenizer`` (its pad token), ``lora_config`` (the
   ``lora`` section), ``use_vllm`` and ``vllm_config`` (the ``rollout`` section, as
-  :mod:`pbt.library.vllm_config` reads it; Hugging Face ``generate`` with one warning where
+  :mod:`pbt.agilerl.vllm_config` reads it; Hugging Face ``generate`` with one warning where
   vLLM is not installed), ``algo_kwargs`` (more ``INIT_HP``), ``hp_config``
   (``mutation.ranges``);
 - harmless here, so one warning each when set: ``accelerator`` (members run under torchrun),
@@ -20,8 +20,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from pbt.agilerl.vllm_config import rollout_section, vllm_config_from, vllm_engine
 from pbt.config.errors import ConfigError
-from pbt.library.vllm_config import rollout_section, vllm_config_from, vllm_engine
 
 CREATE_POSITIONAL = (
     "algo", "net_config", "INIT_HP", "observation_space", "action_space", "hp_config",

@@ -25,7 +25,7 @@ from typing import TypeVar, overload
 import datasets
 import numpy as np
 
-from pbt.algorithms.data_fields import (
+from pbt.algorithms.data.fields import (
     Row,
     check_fields,
     check_template,

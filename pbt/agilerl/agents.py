@@ -2,7 +2,7 @@
 ``GRPO.population(4, lr=1e-4)`` a population of them.
 
 Each class is an :class:`~pbt.library.population.Agent` of one algorithm: its constructor takes
-AgileRL's keywords (:mod:`pbt.library.keywords`, :mod:`pbt.library.agilerl`) and builds a
+AgileRL's keywords (:mod:`pbt.agilerl.keywords`, :mod:`pbt.agilerl.arguments`) and builds a
 library-mode population of one behind the agent, so the agent has AgileRL's methods
 (``get_action``, ``learn``, ``test``, ``save_checkpoint``, ``load_checkpoint``, ``clone``) and
 loads nothing until first used. ``population()`` builds many on one shared base, each an
@@ -11,7 +11,7 @@ and are chosen by ``algorithm.name``.
 
 AgileRL's names are here too: ``CISPO`` and ``GSPO`` are GRPO with that ``algorithm.loss``,
 ``LLMPPO`` is PPO, ``LLMReinforce`` (and ``LLMREINFORCE``) is REINFORCE. ``VLLMConfig`` is
-AgileRL's (:mod:`pbt.library.vllm_config`). Users import them from ``pbt.algorithms``, whose
+AgileRL's (:mod:`pbt.agilerl.vllm_config`). Users import them from ``pbt.algorithms``, whose
 package re-exports this module's names on first use.
 
 Under torchrun every rank builds the same agent and makes the same calls: without
@@ -26,13 +26,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, ClassVar
 
+from pbt.agilerl.arguments import EXTRAS, agilerl_sections
+from pbt.agilerl.keywords import read_keywords
+from pbt.agilerl.vllm_config import VLLMConfig
 from pbt.config import MUTABLE_BY_ALGORITHM, FSDPConfig
 from pbt.config.errors import ConfigError
-from pbt.library.agilerl import EXTRAS, agilerl_sections
 from pbt.library.create import create_population
-from pbt.library.keywords import read_keywords
 from pbt.library.population import Agent, Population
-from pbt.library.vllm_config import VLLMConfig
 
 __all__ = [
     "CISPO", "DPO", "GRPO", "GSPO", "LLMPPO", "LLMREINFORCE", "PPO", "REINFORCE", "SFT",

@@ -20,7 +20,7 @@ import difflib
 import re
 from typing import Any
 
-from pbt.algorithms.rewards import RewardTerm
+from pbt.algorithms.data.rewards import RewardTerm
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.task import REASONING_GYM_PREFIX

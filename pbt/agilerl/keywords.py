@@ -3,7 +3,7 @@ into manifest sections and ``INIT_HP``.
 
 AgileRL's constructors take dozens of keywords. Here each one is, in this order:
 
-1. one of :mod:`pbt.library.agilerl`'s arguments (``lora_config``, ``vllm_config``,
+1. one of :mod:`pbt.agilerl.arguments`'s arguments (``lora_config``, ``vllm_config``,
    ``use_vllm``, ``accelerator``, ``actor_network``, ...), read there;
 2. in :data:`KEYWORDS` below: set on a manifest path, warned about once (no effect here), or
    refused with the fix (ignoring it would change what trains);
@@ -103,7 +103,7 @@ def read_keywords(
 
     Args:
         keywords: the keywords left after the agent's own (``model_name``, ``fsdp_config``,
-            ...) and :mod:`pbt.library.agilerl`'s.
+            ...) and :mod:`pbt.agilerl.arguments`'s.
         where: the call, for messages (``GRPO``).
 
     Returns:

@@ -3,7 +3,7 @@
 A reward function has AgileRL's signature ``reward_fn(completion: str, answer, question) ->
 float``; with ``batched: true`` it takes lists ``(completions, answers, questions)`` and returns
 one number per completion. The name may also be an OpenEnv rubric, as AgileRL's
-``rubric_name`` (:mod:`pbt.algorithms.rubrics`). :class:`Reward` holds the terms of a task (its own reward for a
+``rubric_name`` (:mod:`pbt.algorithms.data.rubrics`). :class:`Reward` holds the terms of a task (its own reward for a
 built-in task, else the user's ``task.reward`` or ``task.rewards``) and scores a batch into the
 weighted sum and each term's raw values, which are logged as ``reward/<name>``.
 
@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from pbt.algorithms.rubrics import is_rubric, rubric_reward
+from pbt.algorithms.data.rubrics import is_rubric, rubric_reward
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError, RewardError
 
@@ -326,7 +326,7 @@ def load_reward_fn(
 ) -> RewardFn:
     """Import ``ref.function`` from ``ref.file`` (relative to ``base_dir``; the import limited to
     :data:`IMPORT_TIMEOUTS` times ``timeout_s``, the time of one call) and check its signature; a rubric there (AgileRL's ``rubric_name``,
-    :mod:`pbt.algorithms.rubrics`) scores through one.
+    :mod:`pbt.algorithms.data.rubrics`) scores through one.
 
     Raises:
         ConfigError: one line naming ``file:function`` for a missing file, an import that fails

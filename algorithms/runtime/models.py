@@ -16,7 +16,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pbt.algorithms.builtin.tiny import tiny_model_dir
-from pbt.algorithms.gguf import gguf_model_dir
+from pbt.algorithms.runtime.gguf import gguf_model_dir
 from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
 from pbt.config.errors import ConfigError
 from pbt.config.model import locate_model, model_load_error

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pbt.algorithms.examples import Chat
-from pbt.algorithms.member import (
+from pbt.algorithms.data.examples import Chat
+from pbt.algorithms.rollout.hf import RolloutBatch
+from pbt.algorithms.runtime.member import (
     Host,
     Member,
     capture_rng,
@@ -31,7 +32,6 @@ from pbt.algorithms.member import (
     restore_rng,
     seed_everything,
 )
-from pbt.algorithms.rollout.hf import RolloutBatch
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
 

@@ -1,7 +1,7 @@
 """A member: one model with its adapter, task and learner, and its checkpoint.
 
 This is what a torchrun group trains. Saving gathers everything a member is into one
-checkpoint (see :mod:`pbt.algorithms.checkpoint`); loading a checkpoint and training on gives
+checkpoint (see :mod:`pbt.algorithms.runtime.checkpoint`); loading a checkpoint and training on gives
 exactly what training straight through would have given. :meth:`Member.train` is the one step
 loop: the task worker, standalone ``pbt train`` and library mode all train through it.
 """
@@ -17,10 +17,16 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pbt.algorithms.activations import checkpoint_blocks, offload_activations
-from pbt.algorithms.checkpoint import adapter_config, load_checkpoint, peft_key, save_checkpoint
+from pbt.algorithms.data.tasks import Task, load_task
 from pbt.algorithms.learner import Learner, learner_class
-from pbt.algorithms.models import (
+from pbt.algorithms.runtime.activations import checkpoint_blocks, offload_activations
+from pbt.algorithms.runtime.checkpoint import (
+    adapter_config,
+    load_checkpoint,
+    peft_key,
+    save_checkpoint,
+)
+from pbt.algorithms.runtime.models import (
     adapter_dir_base,
     add_lora,
     compile_decoder,
@@ -30,7 +36,6 @@ from pbt.algorithms.models import (
     resolve_model_path,
     set_mixed_precision,
 )
-from pbt.algorithms.tasks import Task, load_task
 from pbt.config import RL_ALGORITHMS, Manifest
 from pbt.config.errors import CheckpointError
 from pbt.config.fsdp import FSDPConfig
@@ -54,7 +59,7 @@ class Host:
     """One frozen base model with its adapter slot, the tokenizer and the task, in this process.
 
     Every member hosted in the process trains through this one model: a campaign worker holds
-    one member, a library-mode population many (see :mod:`pbt.algorithms.shared_base`).
+    one member, a library-mode population many (see :mod:`pbt.algorithms.runtime.shared_base`).
 
     Args:
         manifest: the validated run configuration.
@@ -460,7 +465,7 @@ def load_data(manifest: Manifest) -> Task:
     cfg, seed = manifest.task, manifest.training.seed
     if manifest.algorithm.name in RL_ALGORITHMS:
         return load_task(cfg, manifest.base_dir, seed)
-    from pbt.algorithms.datasets import load_preferences, load_sft
+    from pbt.algorithms.data.supervised import load_preferences, load_sft
 
     load = load_sft if manifest.algorithm.name == "SFT" else load_preferences
     data = load(cfg, manifest.base_dir, seed)

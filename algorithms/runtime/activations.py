@@ -25,7 +25,7 @@ it, and the next ones (in reverse order of saving, the order backward needs them
 prefetched on the side stream up to :data:`PREFETCH_BYTES`. A storage saved several times in
 one forward (the input of every adapted projection, its 2-D view for the matmul) is copied
 once. On the CPU the same mechanism copies host memory to host memory: pointless for training,
-so :class:`~pbt.algorithms.member.Host` does not install it there, but it is how the tests
+so :class:`~pbt.algorithms.runtime.member.Host` does not install it there, but it is how the tests
 check the mechanism on any machine.
 """
 
