@@ -3,7 +3,7 @@ torchrun group of ``gpus_per_member`` ranks with FSDP2, run for two generations 
 controller, then checked.
 
 The driver builds the random-weight model folder, writes the campaign's manifest from
-``configs/scale_campaign.yaml`` (model folder, launch and device filled in), runs the campaign
+``bench/scale_campaign.yaml`` (model folder, launch and device filled in), runs the campaign
 with ``Campaign.start(...).run()``, and checks, from the campaign store, the members' results
 and what each member's launch recorded:
 
@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_run import SHAPES as SCALE_SHAPES
 
 HERE = Path(__file__).resolve().parent
-MANIFEST = Path(str(resources.files("pbt.configs") / "scale_campaign.yaml"))
+MANIFEST = HERE / "scale_campaign.yaml"
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-7B's config (scale_run's "7b") with the tiny model's tokenizer
     "7b": {**SCALE_SHAPES["7b"][1], "head_dim": 128, "dtype": "bfloat16"},
@@ -79,7 +78,7 @@ def model_folder(shape: str, work: Path) -> Path:
 
 
 def write_manifest(args: argparse.Namespace, model: Path) -> Path:
-    """The campaign's manifest: ``configs/scale_campaign.yaml`` with the folder and launch set."""
+    """The campaign's manifest: ``bench/scale_campaign.yaml`` with the folder and launch set."""
     data = yaml.safe_load(MANIFEST.read_text())
     if args.gpus_per_member == 0:
         for section, values in CPU_SECTIONS.items():

@@ -10,7 +10,7 @@ library mode (``pbt.library``), the algorithms (``pbt.algorithms``) and the dist
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "create_population": "pbt.library.create",
+    "create_population": "pbt.agilerl.create",
     "Population": "pbt.library.population",
     "Agent": "pbt.library.population",
     "train_population": "pbt.library.loop",

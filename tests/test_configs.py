@@ -1,4 +1,4 @@
-"""The manifests in configs/: each one loads (the examples' rows and rewards too), its canonical
+"""The manifests in configs/ (and the benchmarks' campaign manifest): each one loads (the examples' rows and rewards too), its canonical
 form reads back to the same manifest, and the reference names every key at its default."""
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from pbt.config import SECTIONS, Manifest, load_manifest
 from pbt.config.canonical import canonical_sections, manifest_from_canonical, resolved_yaml
 from pbt.worker.train import default_manifest_path
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "configs"
 OWN_TASK = CONFIGS / "examples" / "own_task"
-MANIFESTS = [*CONFIGS.glob("*.yaml"), *CONFIGS.glob("examples/*/manifest.yaml")]
+MANIFESTS = [
+    *CONFIGS.glob("*.yaml"),
+    *CONFIGS.glob("examples/*/manifest.yaml"),
+    ROOT / "bench" / "scale_campaign.yaml",
+]
 
 
-@pytest.mark.parametrize("path", sorted(MANIFESTS), ids=lambda p: str(p.relative_to(CONFIGS)))
+@pytest.mark.parametrize("path", sorted(MANIFESTS), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_manifest_is_valid(path: Path) -> None:
     """What ``pbt check`` does: the manifest loads (a reward file is parsed, not run), and the
     first rows of the files it names have the fields it reads."""
@@ -30,7 +35,7 @@ def test_every_shipped_manifest_is_valid(path: Path) -> None:
     assert check_rows(manifest.task, manifest.base_dir, manifest.algorithm.name) == []
 
 
-@pytest.mark.parametrize("path", sorted(MANIFESTS), ids=lambda p: str(p.relative_to(CONFIGS)))
+@pytest.mark.parametrize("path", sorted(MANIFESTS), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shipped_manifest_reads_back_from_its_canonical_form(path: Path) -> None:
     """What a campaign hands its members (JSON) and ``pbt check --resolved`` prints (YAML)
     loads to a manifest equal in every compared field (all but ``translation_notes``)."""

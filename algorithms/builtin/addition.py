@@ -15,24 +15,22 @@ the CPU.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pbt.algorithms.builtin.tiny import build_shaped_model
+from pbt.protocol.files import COMPLETE, build_once
 
 logger = logging.getLogger(__name__)
 
 ADDITION_TASK = "builtin:addition"
 WARM_VERSION = 2
 """Bump when the warm-start recipe changes; part of the cache folder name."""
-MARKER = ".complete"
+MARKER = COMPLETE
 SPLIT_SEED = "builtin:addition split"
 HELD_OUT = 1024
 """Problems reserved for evaluation (of the 10,000 two-digit pairs)."""
@@ -93,32 +91,14 @@ def addition_split(
 def warm_model_dir(recipe: WarmStart, seed: int = 0, cache_dir: str | Path | None = None) -> Path:
     """The folder of the warm-started model for ``recipe`` and ``seed``, built once if missing.
 
-    Safe across processes: one builds under an ``fcntl`` lock into a temporary sibling that is
-    renamed into place with its marker written; the others wait and then find it.
+    Safe across processes: one builds it, the others wait and then find it
+    (:func:`~pbt.protocol.files.build_once`).
     """
     if cache_dir is None:
         cache_dir = os.environ.get("PBT_CACHE_DIR") or Path.home() / ".cache" / "pbt-llm"
     root = Path(cache_dir).expanduser()
     folder = root / f"addition-warm-v{WARM_VERSION}-{recipe.key()}-s{seed}"
-    if (folder / MARKER).is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not (folder / MARKER).is_file():
-                shutil.rmtree(folder, ignore_errors=True)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=root))
-                try:
-                    build_warm_model(tmp, recipe, seed)
-                    tmp.chmod(0o755)
-                    os.rename(tmp, folder)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return folder
+    return build_once(folder, lambda tmp: build_warm_model(tmp, recipe, seed))
 
 
 def build_warm_model(out_dir: str | Path, recipe: WarmStart, seed: int = 0) -> None:

@@ -8,18 +8,17 @@ byte-level BPE is trained with the normalizer and pre-tokenizer that transformer
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pbt.config.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
+from pbt.protocol.files import COMPLETE, build_once
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -29,7 +28,7 @@ TINY_MODEL_ID = BUILTIN_MODEL
 TINY_VERSION = 2
 """Bump when the recipe changes; part of the cache folder name."""
 
-MARKER = ".complete"
+MARKER = COMPLETE
 """Written last into a finished folder; a folder without it is incomplete."""
 
 VOCAB_SIZE = BUILTIN_MODEL_ARCHITECTURE["vocab_size"]
@@ -74,10 +73,9 @@ def is_complete(folder: Path) -> bool:
 def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
     """Return the folder of the built-in tiny model, building it once if missing.
 
-    Safe to call from several processes at once (e.g. torchrun ranks): one takes an ``fcntl``
-    lock in the cache folder and builds into a temporary sibling that is renamed into place with
-    its marker already written; the others wait on the lock and then find the finished folder.
-    A folder without the ``.complete`` marker (an interrupted build) is rebuilt.
+    Safe to call from several processes at once (e.g. torchrun ranks): one builds it, the
+    others wait and then find the finished folder (:func:`~pbt.protocol.files.build_once`);
+    a folder without its ``.complete`` marker (an interrupted build) is rebuilt.
 
     Args:
         cache_dir: The cache root; default ``$PBT_CACHE_DIR`` if set, else ``~/.cache/pbt-llm``.
@@ -89,31 +87,7 @@ def tiny_model_dir(cache_dir: str | Path | None = None) -> Path:
         cache_dir = os.environ.get("PBT_CACHE_DIR") or Path.home() / ".cache" / "pbt-llm"
     root = Path(cache_dir).expanduser()
     folder = root / f"tiny-qwen2-v{TINY_VERSION}"
-    if is_complete(folder):
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not is_complete(folder):
-                _build_in_place(folder)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return folder
-
-
-def _build_in_place(folder: Path) -> None:
-    """Build into a temporary sibling of ``folder`` and rename it into place; lock held."""
-    for stale in [folder, *folder.parent.glob(f".{folder.name}.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        build_tiny_model(tmp)
-        tmp.chmod(0o755)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return build_once(folder, build_tiny_model)
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0) -> None:

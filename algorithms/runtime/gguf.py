@@ -20,25 +20,24 @@ its end-of-sequence token as the pad token, and the folder says so (:data:`NOTE_
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.gguf import GGUF_EXTRA, NotGGUFError, cache_root, read_gguf_info
+from pbt.protocol.files import COMPLETE, build_once
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 """Bump when the conversion changes; part of the folder name."""
-MARKER = ".complete"
+MARKER = COMPLETE
 """Written last into a finished folder; a folder without it is incomplete."""
 NOTE_FILE = "pbt-gguf.json"
 """What the conversion did, in the folder: the source, its digest, the pad token it set."""
@@ -80,15 +79,23 @@ def gguf_model_dir(
     folder = root / f"gguf-v{FORMAT_VERSION}-{digest}"
     if (folder / MARKER).is_file():
         return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not (folder / MARKER).is_file():
-                _convert_in_place(path, name, folder, digest)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return folder
+    needed = _needed_mib(path)
+
+    def convert(tmp: Path) -> None:
+        free = shutil.disk_usage(tmp.parent).free // 2**20
+        if free < needed:
+            raise _no_room_error(name, path, folder, f"{free} MiB free", needed)
+        convert_gguf(path, tmp, name, digest)
+
+    try:
+        return build_once(folder, convert)
+    except PbtError:
+        raise
+    except Exception as err:
+        reason = _no_room(err)
+        if reason:
+            raise _no_room_error(name, path, folder, reason, needed) from None
+        raise
 
 
 def _digest_cached(path: Path, root: Path) -> str:
@@ -108,32 +115,6 @@ def _digest_cached(path: Path, root: Path) -> str:
     except OSError:
         pass  # a memo is only a shortcut
     return digest
-
-
-def _convert_in_place(path: Path, name: str, folder: Path, digest: str) -> None:
-    """Convert into a temporary sibling of ``folder`` and rename it into place; lock held."""
-    for stale in [folder, *folder.parent.glob(f".{folder.name}.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-    needed = _needed_mib(path)
-    free = shutil.disk_usage(folder.parent).free // 2**20
-    if free < needed:
-        raise _no_room_error(name, path, folder, f"{free} MiB free", needed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        convert_gguf(path, tmp, name, digest)
-        for written in tmp.iterdir():  # readable by every user of a shared cache
-            written.chmod(0o644)
-        tmp.chmod(0o755)
-        os.rename(tmp, folder)
-    except Exception as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = _no_room(err)
-        if reason:
-            raise _no_room_error(name, path, folder, reason, needed) from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _no_room(err: Exception) -> str:

@@ -102,7 +102,7 @@ class TournamentSelection(campaign_selection.TournamentSelection):
         if not isinstance(population, Population):
             return super().select(population, rng)
         best = self._best_id(population)
-        population = super().select(population, rng)
+        population.next_generation(super().select(population.records(), rng or population.rng))
         elite = population.elite or next(a for a in population if a.parent_id == best)
         return elite, population
 

@@ -103,24 +103,6 @@ class Mutations:
             for s in selected
         ]
 
-    def mutation(self, population, rng: random.Random | None = None):
-        """AgileRL's call on a library-mode population: each agent keeps or changes one
-        hyperparameter (the elite as ``mutate_elite`` says), in place; returns the population.
-
-        Args:
-            population: A ``Population`` (or any agents with ``hyperparameters``,
-                ``set_hyperparameters``, ``is_elite`` and ``mutation``); a ``batch_rule``
-                attribute, when it has one, is the batch rules its members keep.
-            rng: The generator to draw from; default the population's own.
-        """
-        rng = rng or population.rng
-        rule = self.rule or getattr(population, "batch_rule", None)
-        for agent in population:
-            values, how = self.mutate(agent.hyperparameters, rng, agent.is_elite, rule)
-            agent.set_hyperparameters(values)
-            agent.mutation = how
-        return population
-
     def _mutable_names(self, hyperparameters: dict[str, float]) -> list[str]:
         names = sorted(name for name in self.ranges if name in hyperparameters)
         if not names:

@@ -73,28 +73,21 @@ class TournamentSelection:
         self.population_size = population_size
         self.fitness_window = fitness_window
 
-    def select(self, population, rng: random.Random | None = None):
+    def select(self, population: list[MemberRecord], rng: random.Random) -> list[Selected]:
         """Choose the parents of the next generation.
 
         Args:
-            population: The evaluated members of the current generation, in slot order: the
-                controller's records, or a library-mode ``Population``.
-            rng: The seeded generator, the only source of randomness used; a library
-                population brings its own.
+            population: The evaluated members of the current generation, in slot order.
+            rng: The seeded generator, the only source of randomness used.
 
         Returns:
-            For records, exactly ``population_size`` :class:`Selected` entries, the elite first
-            with elitism. For a library population, the population itself, now holding clones
-            of the winners (AgileRL's ``pop = tournament.select(pop)``).
+            Exactly ``population_size`` :class:`Selected` entries, the elite first with
+            elitism. (A library population applies them to its agents:
+            :mod:`pbt.library.evolve`.)
 
         Raises:
             ConfigError: When the population is smaller than one tournament.
         """
-        next_generation = getattr(population, "next_generation", None)
-        if next_generation is not None:
-            return next_generation(self.select(population.records(), rng or population.rng))
-        if rng is None:
-            raise TypeError("select(records, rng): a list of records needs the campaign's rng")
         self._check_population(population)
         scores = [_score(member, self.fitness_window) for member in population]
         chosen: list[Selected] = []
@@ -156,23 +149,17 @@ class TruncationSelection:
         self.min_gap = min_gap
         self.ready_generations = ready_generations
 
-    def select(self, population, rng: random.Random | None = None):
+    def select(self, population: list[MemberRecord], rng: random.Random) -> list[Selected]:
         """The parents of the next generation, in slot order: slot ``i`` is member ``i`` itself
         (a survivor) or, for a bottom member, a top member drawn at random.
 
         Args:
-            population: The evaluated members of the current generation, in slot order, or a
-                library-mode ``Population``.
+            population: The evaluated members of the current generation, in slot order.
             rng: The seeded generator, the only source of randomness used.
 
         Returns:
-            As :meth:`TournamentSelection.select`.
+            One :class:`Selected` per member.
         """
-        next_generation = getattr(population, "next_generation", None)
-        if next_generation is not None:
-            return next_generation(self.select(population.records(), rng or population.rng))
-        if rng is None:
-            raise TypeError("select(records, rng): a list of records needs the campaign's rng")
         scores = [_score(member, self.fitness_window) for member in population]
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         cut = min(len(order) // 2, max(1, round(self.fraction * len(order))))

@@ -1,8 +1,9 @@
-"""Build a population from ``INIT_HP`` (or a manifest), and its selection and mutation.
+"""Build a population from ``INIT_HP`` (or a manifest).
 
-``create_population`` is the public Python API; ``pbt run`` uses the same call. It loads no
-model: it returns a :class:`~pbt.library.Population` of agents that materialise on one shared
-base model when first used, and whose records the campaign controller stores.
+:func:`create_population` loads no model: it returns a :class:`~pbt.library.population.Population`
+of agents that materialise on one shared base model when first used. Its generation 0 is
+:func:`pbt.evolution.breeding.initial_records`, the same records ``pbt run`` stores for a
+campaign's first generation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 import random
 from typing import Any
 
-from pbt.agilerl.arguments import agilerl_sections, create_call
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.loader import manifest_from_dict
@@ -22,9 +22,9 @@ from pbt.library.population import Agent, Population
 
 
 def create_population(
-    first: dict[str, Any] | str | None = None,
+    first: dict[str, Any] | None = None,
     /,
-    *agilerl_args: Any,
+    *,
     INIT_HP: dict[str, Any] | None = None,
     algo: str | None = None,
     manifest: Manifest | None = None,
@@ -37,17 +37,14 @@ def create_population(
     rng: random.Random | None = None,
     storage: str | None = None,
     agent_class: type[Agent] = Agent,
-    **agilerl_kwargs: Any,
 ) -> Population:
     """The population of generation 0: agents that load nothing until first used.
 
-    AgileRL's call works too: ``create_population("GRPO", None, INIT_HP, hp_config=...,
-    population_size=4, tokenizer=..., lora_config=...)`` (its positional order and keyword
-    names, :mod:`pbt.agilerl.arguments`). Without ``population_size`` it builds
-    ``INIT_HP["POP_SIZE"]`` members (AgileRL would build 1).
+    AgileRL's positional form (``create_population("GRPO", None, INIT_HP, ...)``) is
+    :func:`pbt.agilerl.create.create_population`, which ``pbt.create_population`` names.
 
     Args:
-        first: ``INIT_HP`` given by position, or AgileRL's ``algo``.
+        first: ``INIT_HP`` given by position.
         INIT_HP: AgileRL-style hyperparameters (``LR``, ``GROUP_SIZE``, ``POP_SIZE``, ``FSDP``
             as True or a dict of ``FSDPConfig`` fields, ...); used when ``manifest`` is not given.
         algo: the algorithm (``"GRPO"``); same as ``INIT_HP["ALGO"]``.
@@ -67,32 +64,10 @@ def create_population(
         storage: the Optuna storage that keeps the initial draws (a campaign passes its
             ``optuna.db``); default in memory.
         agent_class: the class of the agents (``GRPO.population`` passes ``GRPO``).
-        agilerl_args, agilerl_kwargs: the rest of AgileRL's call shape.
 
     Raises:
         ConfigError: any bad key or value, all reported together.
     """
-    if isinstance(first, str) or agilerl_args or agilerl_kwargs:
-        return _from_agilerl_call(
-            (first, *agilerl_args) if first is not None else agilerl_args,
-            {
-                "INIT_HP": INIT_HP,
-                "algo": algo,
-                "hp_config": hp_config,
-                "population_size": population_size,
-                "model_name": model_name,
-                "device": device,
-                **agilerl_kwargs,
-            },
-            dict(
-                manifest=manifest,
-                config=config,
-                init_sampler=init_sampler,
-                rng=rng,
-                storage=storage,
-                agent_class=agent_class,
-            ),
-        )
     if first is not None and INIT_HP is not None:
         raise ConfigError(["create_population got INIT_HP twice (by position and by keyword)"])
     INIT_HP = first if first is not None else INIT_HP
@@ -113,44 +88,6 @@ def create_population(
     rng = rng or random.Random(manifest.training.seed)
     members = initial_records(manifest, storage)
     return Population(manifest, members, rng, agent_class)
-
-
-_OWN_ARGS = ("algo", "INIT_HP", "hp_config", "population_size", "model_name", "device")
-"""AgileRL's arguments that are ours too."""
-
-
-def _from_agilerl_call(
-    args: tuple[Any, ...], kwargs: dict[str, Any], ours: dict[str, Any]
-) -> Population:
-    """``create_population`` called in AgileRL's shape: bind it as AgileRL does, read its
-    extra arguments into sections, and build the population our way."""
-    given = {key: value for key, value in kwargs.items() if value is not None}
-    call = create_call(args, given | {k: v for k, v in kwargs.items() if k not in _OWN_ARGS})
-    if ours["manifest"] is not None:
-        raise ConfigError(
-            [
-                "create_population takes a manifest or AgileRL's (algo, net_config, INIT_HP), "
-                "not both; fold the INIT_HP values into the manifest"
-            ]
-        )
-    extras = {key: value for key, value in call.items() if key not in _OWN_ARGS}
-    sections, init_hp = agilerl_sections(extras, "create_population")
-    config = copy.deepcopy(ours["config"] or {})
-    for name, values in sections.items():
-        config[name] = {**config.get(name, {}), **values}
-    return create_population(
-        {**(call.get("INIT_HP") or {}), **init_hp},
-        algo=call.get("algo"),
-        config=config,
-        population_size=call.get("population_size"),
-        hp_config=call.get("hp_config"),
-        model_name=call.get("model_name"),
-        device=call.get("device"),
-        init_sampler=ours["init_sampler"],
-        rng=ours["rng"],
-        storage=ours["storage"],
-        agent_class=ours["agent_class"],
-    )
 
 
 def _sections(

@@ -34,6 +34,12 @@ from pbt.config.errors import PbtError
 from pbt.config.fsdp import FSDPConfig
 from pbt.config.ranges import BatchRule, batch_rule
 from pbt.evolution.breeding import breed, build_mutations, build_selection, child_record
+from pbt.library.evolve import (
+    PopulationMutations,
+    PopulationSelection,
+    population_mutations,
+    selection_rule,
+)
 from pbt.protocol.records import MemberRecord, member_seed
 
 if TYPE_CHECKING:
@@ -41,8 +47,7 @@ if TYPE_CHECKING:
     from pbt.algorithms.rollout.hf import RolloutBatch
     from pbt.algorithms.runtime.member import Member, StepCallback
     from pbt.algorithms.runtime.shared_base import SharedBase
-    from pbt.evolution.mutation import Mutations
-    from pbt.evolution.selection import Selected, TournamentSelection
+    from pbt.evolution.selection import Selected
 
 
 class Agent:
@@ -289,17 +294,18 @@ class Population(Sequence[Agent]):
         return [agent.record() for agent in self.agents]
 
     @property
-    def tournament(self) -> TournamentSelection:
-
+    def tournament(self) -> PopulationSelection:
+        """The selection the manifest describes, over this population's size:
+        ``pop = pop.tournament.select(pop)``."""
         manifest = dataclasses.replace(
             self.manifest, population=dataclasses.replace(self.manifest.population, size=len(self))
         )
-        return build_selection(manifest)
+        return PopulationSelection(build_selection(manifest))
 
     @property
-    def mutations(self) -> Mutations:
-
-        return build_mutations(self.manifest, self._ranks())
+    def mutations(self) -> PopulationMutations:
+        """The mutation the manifest describes: ``pop = pop.mutations.mutation(pop)``."""
+        return PopulationMutations(build_mutations(self.manifest, self._ranks()))
 
     @property
     def batch_rule(self) -> BatchRule:
@@ -313,22 +319,24 @@ class Population(Sequence[Agent]):
         return self._engine.world.world_size if self._engine is not None else None
 
     def evolve(self, tournament=None, mutations=None) -> Population:
-        """Tournament selection, then mutation; returns this population.
+        """Selection, then mutation; returns this population.
 
         Args:
-            tournament: Any ``TournamentSelection`` (this package's or :mod:`pbt.hpo`'s);
+            tournament: A selection: :attr:`tournament`'s kind, a rule of
+                :mod:`pbt.evolution.selection`, or :mod:`pbt.hpo`'s ``TournamentSelection``;
                 default :attr:`tournament`, as configured.
-            mutations: Any ``Mutations`` with ``mutation(population)``; default
-                :attr:`mutations`.
+            mutations: A :class:`~pbt.evolution.mutation.Mutations` rule, or anything with
+                ``mutation(population)`` (:attr:`mutations`' kind, :mod:`pbt.hpo`'s);
+                default :attr:`mutations`.
         """
-        tournament = tournament or self.tournament
-        self.next_generation(tournament.select(self.records(), self.rng))
-        return (mutations or self.mutations).mutation(self)
+        rule = selection_rule(tournament or self.tournament)
+        self.next_generation(rule.select(self.records(), self.rng))
+        return population_mutations(mutations or self.mutations).mutation(self)
 
     def next_generation(self, selected: list[Selected]) -> Population:
         """Replace the agents by clones of the selected parents (elite first); free the rest.
 
-        What :meth:`TournamentSelection.select` calls when given a population. Clones are
+        What :meth:`PopulationSelection.select` calls. Clones are
         named like campaign members (``g001-m00``) and start with mutation ``none``.
         """
         by_id = {agent.member_id: agent for agent in self.agents}

@@ -1,13 +1,17 @@
 """The files a controller and a member exchange: JSON written atomically, read tolerantly,
-and the heartbeat a live member touches (and fills with its progress)."""
+and the heartbeat a live member touches (and fills with its progress); and a folder built once
+under a file lock (a converted or built-in model in the cache) that every process then reads."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +82,60 @@ def write_json_once(path: str | os.PathLike[str], obj: Any) -> bool:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     return True
+
+
+COMPLETE = ".complete"
+"""The file a folder built by :func:`build_once` holds once its build finished."""
+
+
+def build_once(folder: str | os.PathLike[str], build: Callable[[Path], None]) -> Path:
+    """``folder``, built by ``build`` unless it is already complete; safe across processes.
+
+    One process takes an ``fcntl`` lock beside the folder (``<folder>.lock``) and builds into a
+    temporary sibling that is renamed into place; the others wait on the lock and then find the
+    finished folder. ``build(tmp)`` writes the folder's files and, last, its :data:`COMPLETE`
+    marker: a folder without it (an interrupted build) is built again, and the leftovers of
+    interrupted builds are removed first. Every file of a built folder is readable by every
+    user of a shared cache.
+
+    Args:
+        folder: Where the finished folder lives; its parent is created if missing.
+        build: Writes the folder's contents into the empty folder it is given.
+
+    Returns:
+        ``folder``, as a path, complete.
+
+    Raises:
+        Whatever ``build`` raises; the temporary folder is removed first.
+    """
+    folder = Path(folder)
+    if (folder / COMPLETE).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (folder / COMPLETE).is_file():
+                _build_in_place(folder, build)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+
+def _build_in_place(folder: Path, build: Callable[[Path], None]) -> None:
+    """Build into a temporary sibling of ``folder`` and rename it into place; lock held."""
+    for stale in [folder, *folder.parent.glob(f".{folder.name}.tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        build(tmp)
+        for written in tmp.rglob("*"):
+            written.chmod(0o755 if written.is_dir() else 0o644)
+        tmp.chmod(0o755)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
