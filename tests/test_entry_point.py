@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from pbt.algorithms.runtime.checkpoint import load_checkpoint
@@ -141,6 +142,17 @@ def test_wheel_installs_one_import_root(tmp_path):
     example = repo / "configs" / "examples" / "own_task"
     shipped = {f"pbt/configs/examples/own_task/{p.name}" for p in example.iterdir() if p.is_file()}
     assert shipped <= set(names), shipped - set(names)  # the worked example, rows and rewards
+    mapping = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {  # every package of every root, found by setup.py rather than listed
+        "/".join(
+            [*package.split("."), *init.parent.relative_to(repo / folder).parts, "__init__.py"]
+        )
+        for package, folder in mapping["package-dir"].items()
+        for init in (repo / folder).rglob("__init__.py")
+    }
+    assert "pbt/algorithms/runtime/__init__.py" in packages, packages
+    assert packages <= set(names), packages - set(names)
+    assert not [n for n in names if n.startswith("pbt/configs/") and "scale" in n]  # bench's own
     target = tmp_path / "site"
     _run(
         [
