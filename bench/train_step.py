@@ -11,7 +11,7 @@ AdamW step.
 
 - ``naive``: ``model(...).logits`` for every position, then ``log_softmax`` in float32 over the
   vocabulary (what a plain peft loop does; the float32 logits dominate memory);
-- ``lean``: :func:`pbt.algorithms.rollout.sequence_logprobs`: logits only for the completion,
+- ``lean``: :func:`pbt.algorithms.rollout.hf.sequence_logprobs`: logits only for the completion,
   in chunks of about 512 MiB of float32 reduced at once to the target's log-prob and recomputed
   in the backward pass; padding columns trimmed first;
 - ``+ mixed precision``: the same under bf16 autocast (``training.mixed_precision``, the

@@ -194,8 +194,8 @@ def encode_pairs(
 ) -> RolloutBatch:
     """Tokenise prompts and given responses into the layout of a sampled rollout.
 
-    The result is a :class:`~pbt.algorithms.rollout.RolloutBatch`, so
-    :func:`~pbt.algorithms.rollout.sequence_logprobs` scores it like sampled completions.
+    The result is a :class:`~pbt.algorithms.rollout.hf.RolloutBatch`, so
+    :func:`~pbt.algorithms.rollout.hf.sequence_logprobs` scores it like sampled completions.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template and a pad token.

@@ -21,7 +21,7 @@ of the model. On CPU (or with ``rollout.cuda_graphs: false``) the same step runs
 which is what the greedy-equality tests against ``generate`` exercise on any machine.
 
 The attention mask is passed as a prepared 4D boolean mask: position ids come from the prompt
-mask exactly as :func:`~pbt.algorithms.rollout.sequence_logprobs` computes them, so the trainer
+mask exactly as :func:`~pbt.algorithms.rollout.hf.sequence_logprobs` computes them, so the trainer
 scores the tokens the sampler saw. A sharded (FSDP2) model cannot be captured; the manifest
 refuses the engine there.
 """

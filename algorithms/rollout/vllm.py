@@ -14,7 +14,7 @@ share). It loads the frozen base once and serves each member's adapter as a name
 Prompts are tokenised by the trainer's tokenizer and sent as token ids, completions come back
 as token ids with the sampler's log-probs of every sampled token (after temperature, as the
 trainer computes them), and text is decoded by the trainer's tokenizer: the batch is exactly
-what :func:`pbt.algorithms.rollout.generate` would have built, plus ``logprobs``.
+what :func:`pbt.algorithms.rollout.hf.generate` would have built, plus ``logprobs``.
 
 With ``tensor_parallel_size`` equal to the member's rank count, one engine spans every rank
 (vLLM's ``external_launcher`` over the member's own process group): every rank submits the
@@ -253,7 +253,7 @@ class VLLMRollout:
 
     def _batch(self, prompt_ids: list[list[int]], outputs) -> RolloutBatch:
         """The rows of ``outputs`` (one per prompt, ``n`` completions each) as a RolloutBatch
-        laid out as :func:`~pbt.algorithms.rollout.generate` lays it out."""
+        laid out as :func:`~pbt.algorithms.rollout.hf.generate` lays it out."""
         pad = self.tokenizer.pad_token_id
         rows = [(ids, c) for ids, out in zip(prompt_ids, outputs, strict=True) for c in out.outputs]
         width = max(len(ids) for ids, _ in rows)

@@ -8,7 +8,8 @@ meaning, in the field that uses it; or yields one line saying what pbt-llm does 
 note when ignoring the key changes nothing, a problem when obeying it would change results.
 
 :data:`INIT_HP_RULES`, :data:`MUTATION_RULES` and :data:`TRAINING_RULES` are the one table of
-the mapping; the README's "Coming from AgileRL" table is tested against :func:`mapping_rows`.
+the mapping; the table of docs/agilerl.md's "Coming from AgileRL: manifests" is tested against
+:func:`mapping_rows`.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ _SECTION_HANDLERS: dict[str, Callable[[Translation, dict[str, Any]], None]] = {
 
 
 def mapping_rows() -> list[tuple[str, str, str]]:
-    """The mapping as ``(AgileRL key, pbt-llm key, what happens)`` rows, the README's table."""
+    """The mapping as ``(AgileRL key, pbt-llm key, what happens)`` rows, docs/agilerl.md's table."""
     rows = [(f"`{k}`", _targets(r), r.meaning) for k, r in INIT_HP_RULES.items()]
     rows += [(f"`{k}`", _targets(r), r.meaning) for k, r in MUTATION_RULES.items()]
     rows.append(

@@ -2,7 +2,7 @@
 
 Every problem is collected before anything is raised: unknown keys (with the nearest valid key
 suggested), wrong types, NaN and infinities in any number, and the value rules each config's
-``check()`` states. The result is one :class:`~pbt.errors.ConfigError` listing all of them.
+``check()`` states. The result is one :class:`~pbt.config.errors.ConfigError` listing all of them.
 
 Every manifest file is read here, by :func:`read_manifest_file`: at most
 :data:`~pbt.config.strict_yaml.MAX_BYTES`, parsed by :mod:`pbt.config.strict_yaml` (duplicate

@@ -10,11 +10,13 @@
     pop = pop.mutations.mutation(pop)
 
 The same selection, mutation and checkpoint code as campaigns. Every member of a population
-lives on ONE frozen base model in this process (:class:`pbt.algorithms.library.SharedBase`):
+lives on ONE frozen base model in this process
+(:class:`pbt.algorithms.runtime.shared_base.SharedBase`):
 a member is its adapter, optimizer state, schedule, RNG streams and step, so a population of 8
 costs about one model, and cloning a member copies an adapter. Nothing is loaded until an
-agent is first used, so building a population costs nothing and imports no torch: the campaign
-controller makes generation 0 with the same call and never loads a model.
+agent is first used, so building a population costs nothing and imports no torch. Generation
+0's records are :func:`pbt.evolution.breeding.initial_records`, the ones a campaign's controller
+stores for its first generation (it builds no population and never loads a model).
 
 Under torchrun every rank builds the same population and makes the same calls in the same
 order; each agent call is then a collective of the member's ranks.

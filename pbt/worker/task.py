@@ -361,7 +361,7 @@ def _parsed_manifest(text: str, base_dir: str) -> Manifest:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m pbt.worker TASK_JSON`` (one task), or ``python -m pbt.worker
     --serve FOLDER [--idle-timeout S]`` (a long-lived worker; see
-    :class:`pbt.launch.PersistentLauncher`)."""
+    :class:`pbt.launch.local.PersistentLauncher`)."""
     argv = sys.argv[1:] if argv is None else argv
     faults.keep_reserve()  # freed before a fault report, which may come at the memory limit
     watch_controller(_controller_gone)
