@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,76 @@ import yaml
 
 from pbt.config import Manifest
 from pbt.config.loader import manifest_from_dict
+from pbt.controller.store import CampaignStore
+
+TESTS = Path(__file__).resolve().parent
+"""The tests folder: shared helpers, ``drivers/`` and ``fixtures/`` live here."""
+REPO = TESTS.parent
+"""The repository root (``configs/``, ``bench/``, ``docs/``)."""
+DRIVERS = TESTS / "drivers"
+FIXTURES = TESTS / "fixtures"
+
+
+FAKE = [sys.executable, str(DRIVERS / "fake_member.py")]
+"""The fake member (``drivers/fake_member.py``) as a campaign's member command."""
+
+FAKE_CAMPAIGN = {
+    "INIT_HP": {"POP_SIZE": 4, "TOURNAMENT_SIZE": 2, "ELITISM": True, "EVO_STEPS": 3, "LR": 1e-4},
+    "population": {"init_sampler": "random"},
+    "mutation": {
+        "no_mutation": 0.2,
+        "rl_hp": 0.8,
+        "ranges": {"lr": {"min": 1e-5, "max": 1e-1, "log": True}},
+    },
+    "budget": {"generations": 5},
+    "launch": {
+        "slots": 2,
+        "max_attempts": 2,
+        "heartbeat_timeout_s": 5,
+        "persistent_workers": False,
+    },
+    "training": {"seed": 7},
+    "tracking": {"enabled": False},  # tracking has its own tests (test_campaign_tracking.py)
+}
+"""The fake member's campaign: 4 members x 5 generations, 2 slots, no tracking."""
+
+RL_VARIANTS = {
+    "grpo": {"algorithm": {"loss": "grpo"}},
+    "dr_grpo": {"algorithm": {"loss": "dr_grpo"}},
+    "dapo": {"algorithm": {"loss": "dapo", "clip_high": 0.28}},
+    "cispo": {"algorithm": {"loss": "cispo"}},
+    "gspo": {"algorithm": {"loss": "gspo"}},
+    "reinforce": {"algorithm": {"name": "REINFORCE"}},
+    "rloo": {"algorithm": {"name": "REINFORCE", "baseline": "rloo"}},
+    "ppo": {"algorithm": {"name": "PPO", "vf_coef": 1.0}},
+}
+"""Every RL algorithm and loss, as the sections a small manifest changes."""
+DATA_VARIANTS = {
+    "sft": {"algorithm": {"name": "SFT", "prompts_per_step": 8}, "optim": {"lr": 1e-2}},
+    "dpo": {
+        "algorithm": {"name": "DPO", "prompts_per_step": 16, "beta": 0.1},
+        "optim": {"lr": 3e-3},
+    },
+}
+"""The data algorithms (SFT, DPO), as the sections a small manifest changes."""
+PPO_ALGORITHM = {"name": "PPO", "beta": 0.1, "update_epochs": 2, "mini_batch_size": 4}
+"""The small manifest's PPO: 2 prompts x 4 completions, 2 epochs of 2 mini-batches, KL on."""
+
+
+def decisions(directory: Path) -> list[tuple]:
+    """Every member's id, parent, hyperparameters, mutation and fitness, in store order."""
+    with CampaignStore(directory / "store.db") as store:
+        return [
+            (
+                m.member_id,
+                m.parent_id,
+                json.dumps(m.hyperparameters, sort_keys=True),
+                m.mutation,
+                m.fitness_history,
+            )
+            for m in store.members()
+        ]
+
 
 TINY_CAMPAIGN = {
     "model": {"name": "builtin:tiny"},

@@ -17,8 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import small_sections
-from test_algorithms import DATA, RL
+from support import DATA_VARIANTS, RL_VARIANTS, small_sections
 
 from pbt.algorithms.runtime.member import Member
 from pbt.config.loader import manifest_from_dict
@@ -28,7 +27,7 @@ from pbt.distributed import shutdown, world_info
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     report = {}
-    for name, variant in {**RL, **DATA}.items():
+    for name, variant in {**RL_VARIANTS, **DATA_VARIANTS}.items():
         data = small_sections(out)
         for section, values in variant.items():
             data[section] = {**data.get(section, {}), **values}

@@ -15,8 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support import small_sections
-from test_ppo import PPO
+from support import PPO_ALGORITHM, small_sections
 
 from pbt.algorithms.runtime.member import Member
 from pbt.config.loader import manifest_from_dict
@@ -28,7 +27,7 @@ REPORTED = ("loss", "policy_loss", "value_loss", "kl", "clip_fraction", "explain
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    data = small_sections(out, algorithm=PPO)
+    data = small_sections(out, algorithm=PPO_ALGORITHM)
     data["distributed"] = {"fsdp": mode == "fsdp"}
     member = Member(manifest_from_dict(data, base_dir=out), torch.device("cpu"), "ppo")
     task, learner = member.task, member.learner
