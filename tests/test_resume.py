@@ -323,6 +323,36 @@ def test_a_budget_raised_by_resume_gives_the_longer_campaign(tmp_path, straight,
 
 
 @pytest.mark.integration
+def test_run_takes_the_budget_flags_resume_takes(tmp_path, straight, capsys):
+    """``pbt run --generations 4`` over a manifest that says 2 runs the campaign the manifest
+    with 4 would (the store keeps the flag's budget, as after a resume); a flag that breaks a
+    rule is one line naming the flag, the key and the rule, and creates nothing."""
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 2})
+    directory = tmp_path / "campaign"
+    summary = _run(
+        Campaign.start(manifest, directory, member_command=FAKE, budget={"generations": 4})
+    )
+    assert summary.generations == 4 and summary.stop_reason == "4 generations done"
+    assert _campaign(directory) == _campaign(straight[1])
+    with CampaignStore(directory / "store.db") as store:
+        assert store.load_config()["manifest"]["budget"] == {"generations": 4}
+
+    refused = tmp_path / "refused"
+    assert main(["run", str(manifest), "--dir", str(refused), "--generations", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: pbt run --generations 0: 1 problem",
+        "  - budget.generations (0) must be > 0",
+    ]
+    assert not refused.exists()
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    usage = capsys.readouterr().out
+    for flag in ("--generations N", "--total-steps N", "--wall-time-s X", "--gpu-hours X"):
+        assert flag in usage
+
+
+@pytest.mark.integration
 def test_a_budget_already_spent_or_a_decaying_schedule_is_refused(tmp_path, finished, capsys):
     directory = shutil.copytree(finished, tmp_path / "c")
     with pytest.raises(ConfigError) as err:
