@@ -20,7 +20,7 @@ import yaml
 from support import campaign_processes, start_campaign, write_manifest
 from test_campaign import FAKE, MANIFEST
 
-from pbt.cli.main import main
+from pbt.cli.main import main, pbt_command
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.budget import with_budget
@@ -283,7 +283,7 @@ def test_resuming_a_finished_campaign_says_so(tmp_path, finished, capsys):
     out = capsys.readouterr().out
     assert (
         f"campaign {directory} finished: 2 generations done; to train further: "
-        f"pbt resume {directory} --generations N (N > 2)"
+        f"{pbt_command()} resume {directory} --generations N (N > 2)"
     ) in out
     assert "training 0 of 0" not in out
     assert controller_running(directory) is None

@@ -21,7 +21,9 @@ User errors print one clear message and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -159,19 +161,35 @@ def _finished(campaign: Campaign, key: str, reason: str) -> int:
     bound = (
         summary.best_fitness if key == "target_fitness" else getattr(campaign.manifest.budget, key)
     )
-    quoted = shlex.quote(str(campaign.dir))
+    quoted, pbt = shlex.quote(str(campaign.dir)), pbt_command()
     print(
-        f"campaign {campaign.dir} finished: {reason}; to train further: pbt resume {quoted} "
+        f"campaign {campaign.dir} finished: {reason}; to train further: {pbt} resume {quoted} "
         f"{FLAGS[key]} N (N > {bound:g})"
     )
     print(f"best member {summary.best_member}: fitness {summary.best_fitness:.3f}")
-    print(f"more: pbt status {quoted} | pbt lineage {quoted}")
+    print(f"more: {pbt} status {quoted} | {pbt} lineage {quoted}")
     return 0
 
 
 def interrupted_message(directory: Path) -> str:
     """What Ctrl-C during ``pbt run`` or ``pbt resume`` prints: the command that continues."""
-    return f"interrupted: resume with pbt resume {shlex.quote(str(directory))}"
+    return f"interrupted: resume with {pbt_command()} resume {shlex.quote(str(directory))}"
+
+
+def pbt_command() -> str:
+    """``pbt`` as the user can type it here, for the commands a message suggests: ``pbt`` when
+    that is this environment's command on PATH; else this environment's script by its path
+    (``.venv/bin/pbt`` after ``./dev quickstart``, which activates nothing); else ``python -m
+    pbt.cli`` with this interpreter."""
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "pbt"
+    found = shutil.which("pbt")
+    if found is not None and Path(found).parent.resolve() == bin_dir.resolve():
+        return "pbt"
+    if script.is_file():
+        relative = os.path.relpath(script)
+        return shlex.quote(relative if not relative.startswith("..") else str(script))
+    return f"{shlex.quote(sys.executable)} -m pbt.cli"
 
 
 def _drive(campaign) -> int:
@@ -189,7 +207,8 @@ def _drive(campaign) -> int:
     print(lineage_text(campaign.dir, summary.best_member))
     print("\nfitness by generation:")
     print(fitness_curve_text(campaign.dir))
-    print(f"\nmore: pbt status {campaign.dir} | pbt lineage {campaign.dir}")
+    quoted, pbt = shlex.quote(str(campaign.dir)), pbt_command()
+    print(f"\nmore: {pbt} status {quoted} | {pbt} lineage {quoted}")
     return 0
 
 
