@@ -28,7 +28,7 @@ generation would no longer measure ``--steps`` steps a task, so the bench stops 
 member, naming it and the step it ended at.
 ``--modes`` runs one mode alone and ``--gpu`` picks its GPU: two processes can then run the two
 modes side by side on two GPUs of one host. ``--modes device-states`` (on a GPU) is the long-lived
-worker with its latest states also held on the device (``PBT_DEVICE_STATE_CACHE_GIB`` 1): a
+worker with its latest states also held on the device (``launch.device_state_cache_gib`` 1): a
 parent is then prefetched in a device copy, not a copy from the host.
 """
 
@@ -52,8 +52,8 @@ MODES = {
     "device-states": "long-lived, states on the device",
 }
 DEFAULT_MODES = ["long-lived", "restart"]
-DEVICE_STATE_GIB = "1"
-"""``PBT_DEVICE_STATE_CACHE_GIB`` in the ``device-states`` mode."""
+DEVICE_STATE_GIB = 1.0
+"""``launch.device_state_cache_gib`` in the ``device-states`` mode."""
 
 
 def write_tasks(
@@ -163,10 +163,9 @@ def main() -> None:
         rows = {}
         for mode in (MODES[m] for m in args.modes):
             campaign = root / mode.replace(" ", "-")
-            held = {"PBT_DEVICE_STATE_CACHE_GIB": DEVICE_STATE_GIB} if "device" in mode else {}
-            common = dict(
-                slots=1, gpus_per_member=gpus, heartbeat_timeout_s=600.0, env={**env, **held}
-            )
+            held = DEVICE_STATE_GIB if "device" in mode else 0.0
+            manifest["launch"] = {"device_state_cache_gib": held}  # this mode's tasks
+            common = dict(slots=1, gpus_per_member=gpus, heartbeat_timeout_s=600.0, env=env)
             if gpus:  # two runs side by side must not share a GPU or a rendezvous port
                 common.update(gpu_ids=[args.gpu], base_port=29600 + 100 * args.gpu)
             if mode.startswith("long-lived"):

@@ -1,6 +1,7 @@
 """The ``pbt`` command line.
 
-    pbt run [MANIFEST] [--dir DIR]   start a campaign (the built-in quickstart without a manifest)
+    pbt run [MANIFEST] [--dir DIR]   start a campaign (the built-in quickstart without a manifest;
+                                     --generations N and the other budget flags set its budget)
     pbt resume DIR [--generations N]  continue a campaign (a budget flag raises its budget)
     pbt status DIR                   generation, members, fitness, hyperparameters, faults
     pbt lineage DIR [--png FILE]     the family tree, as text and as a picture
@@ -20,7 +21,9 @@ User errors print one clear message and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -36,6 +39,7 @@ from pbt.config.campaign import BudgetConfig
 from pbt.config.canonical import resolved_yaml
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
+from pbt.config.overrides import with_environment
 from pbt.controller.budget import FLAGS
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
@@ -48,7 +52,7 @@ def _check(args: argparse.Namespace) -> int:
     """Validate a manifest: its notes, a memory warning and the verdict, one line each on
     stderr (problems: one line each, exit 2); with ``--resolved``, the configuration it
     resolves to, in canonical form, as YAML on stdout."""
-    manifest = load_manifest(args.manifest)
+    manifest = with_environment(load_manifest(args.manifest))
     if manifest.task.train is not None:
         _check_rows(manifest)
     _check_rewards(manifest)
@@ -119,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     manifest = args.manifest or default_manifest_path()
     directory = Path(args.dir or f"runs/campaign-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        campaign = Campaign.start(manifest, directory)
+        campaign = Campaign.start(manifest, directory, budget=_budget_flags(args))
         print(f"campaign {directory}: started from {manifest}", flush=True)
         return _drive(campaign)
     except KeyboardInterrupt:
@@ -130,9 +134,8 @@ def _run(args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
     _interruptible()
     directory = Path(args.dir)
-    budget = {key: getattr(args, key) for key in FLAGS if getattr(args, key) is not None}
     try:
-        campaign = Campaign.resume(directory, budget=budget)
+        campaign = Campaign.resume(directory, budget=_budget_flags(args))
         ended = campaign.ended()
         if ended is not None:
             return _finished(campaign, *ended)
@@ -144,6 +147,11 @@ def _resume(args: argparse.Namespace) -> int:
         return 130
 
 
+def _budget_flags(args: argparse.Namespace) -> dict[str, typing.Any]:
+    """The budget keys given on the command line (``--generations 8``: ``{"generations": 8}``)."""
+    return {key: getattr(args, key) for key in FLAGS if getattr(args, key) is not None}
+
+
 def _finished(campaign: Campaign, key: str, reason: str) -> int:
     """What ``pbt resume`` says of a campaign that has finished: why, and how to go on."""
     try:
@@ -153,19 +161,35 @@ def _finished(campaign: Campaign, key: str, reason: str) -> int:
     bound = (
         summary.best_fitness if key == "target_fitness" else getattr(campaign.manifest.budget, key)
     )
-    quoted = shlex.quote(str(campaign.dir))
+    quoted, pbt = shlex.quote(str(campaign.dir)), pbt_command()
     print(
-        f"campaign {campaign.dir} finished: {reason}; to train further: pbt resume {quoted} "
+        f"campaign {campaign.dir} finished: {reason}; to train further: {pbt} resume {quoted} "
         f"{FLAGS[key]} N (N > {bound:g})"
     )
     print(f"best member {summary.best_member}: fitness {summary.best_fitness:.3f}")
-    print(f"more: pbt status {quoted} | pbt lineage {quoted}")
+    print(f"more: {pbt} status {quoted} | {pbt} lineage {quoted}")
     return 0
 
 
 def interrupted_message(directory: Path) -> str:
     """What Ctrl-C during ``pbt run`` or ``pbt resume`` prints: the command that continues."""
-    return f"interrupted: resume with pbt resume {shlex.quote(str(directory))}"
+    return f"interrupted: resume with {pbt_command()} resume {shlex.quote(str(directory))}"
+
+
+def pbt_command() -> str:
+    """``pbt`` as the user can type it here, for the commands a message suggests: ``pbt`` when
+    that is this environment's command on PATH; else this environment's script by its path
+    (``.venv/bin/pbt`` after ``./dev quickstart``, which activates nothing); else ``python -m
+    pbt.cli`` with this interpreter."""
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "pbt"
+    found = shutil.which("pbt")
+    if found is not None and Path(found).parent.resolve() == bin_dir.resolve():
+        return "pbt"
+    if script.is_file():
+        relative = os.path.relpath(script)
+        return shlex.quote(relative if not relative.startswith("..") else str(script))
+    return f"{shlex.quote(sys.executable)} -m pbt.cli"
 
 
 def _drive(campaign) -> int:
@@ -183,7 +207,8 @@ def _drive(campaign) -> int:
     print(lineage_text(campaign.dir, summary.best_member))
     print("\nfitness by generation:")
     print(fitness_curve_text(campaign.dir))
-    print(f"\nmore: pbt status {campaign.dir} | pbt lineage {campaign.dir}")
+    quoted, pbt = shlex.quote(str(campaign.dir)), pbt_command()
+    print(f"\nmore: {pbt} status {quoted} | {pbt} lineage {quoted}")
     return 0
 
 
@@ -242,18 +267,23 @@ def _dashboard(args: argparse.Namespace) -> int:
     return serve_dashboard(Path(args.dir), args.port)
 
 
+def _budget_arguments(parser: argparse.ArgumentParser, when: str) -> None:
+    """A flag per budget key (``--generations N``, ...): a total for the whole campaign."""
+    hints = typing.get_type_hints(BudgetConfig)
+    for key, flag in FLAGS.items():
+        kind = next(t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None))
+        parser.add_argument(
+            flag, dest=key, type=kind, metavar="N" if kind is int else "X",
+            help=f"budget.{key} for the whole campaign{when}",
+        )  # fmt: skip
+
+
 def _resume_parser(sub: argparse._SubParsersAction) -> None:
     """``pbt resume DIR``, with a flag per budget key that changes it (a total for the whole
     campaign: raise it to train a finished campaign further)."""
     resume = sub.add_parser("resume", help="continue a campaign (optionally with a new budget)")
     resume.add_argument("dir")
-    hints = typing.get_type_hints(BudgetConfig)
-    for key, flag in FLAGS.items():
-        kind = next(t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None))
-        resume.add_argument(
-            flag, dest=key, type=kind, metavar="N" if kind is int else "X",
-            help=f"budget.{key} for the whole campaign from now on",
-        )  # fmt: skip
+    _budget_arguments(resume, " from now on")
     resume.set_defaults(func=_resume)
 
 
@@ -268,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="start a campaign")
     run.add_argument("manifest", nargs="?", help="YAML manifest (default: the built-in quickstart)")
     run.add_argument("--dir", help="campaign directory (default: runs/campaign-<time>)")
+    _budget_arguments(run, " (instead of the manifest's budget section)")
     run.set_defaults(func=_run)
     _resume_parser(sub)
     for name, func, text in (

@@ -40,6 +40,7 @@ from pbt.config import Manifest
 from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
+from pbt.config.overrides import with_environment
 from pbt.controller.budget import (
     FLAGS,
     Spent,
@@ -50,7 +51,7 @@ from pbt.controller.budget import (
 )
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.lock import ControllerLock
-from pbt.controller.progress import Plan, ProgressDisplay, every_s_from_env
+from pbt.controller.progress import Plan, ProgressDisplay
 from pbt.controller.store import STORE_FILENAME, CampaignStore
 from pbt.evolution.breeding import (
     breed,
@@ -106,7 +107,8 @@ class Campaign:
     ) -> None:
         self.dir = directory
         self.raw = raw  # what the store keeps: the sections as written, and their folder
-        self.manifest = manifest  # raw, validated once by start or resume
+        self.manifest = manifest  # validated once by start or resume, the environment's
+        # overrides applied (pbt.config.overrides); what members are handed
         self.say = _say
         self._lock = ControllerLock.acquire(directory, say=self.say)
         self.store = CampaignStore(directory / STORE_FILENAME)
@@ -125,11 +127,14 @@ class Campaign:
         manifest_path: str | Path,
         directory: str | Path,
         member_command: list[str] | None = None,
+        budget: dict[str, Any] | None = None,
     ) -> Campaign:
         """Create ``directory`` as a new campaign from a manifest file and build generation 0.
 
         The file is read and validated once, before anything is created; the store keeps its
-        sections as written, and the campaign folder a copy of its text.
+        sections as written, and the campaign folder a copy of its text. ``budget``: budget keys
+        set in place of the manifest's (``pbt run --generations 8``), recorded in the store's
+        sections as :meth:`resume`'s are.
 
         Raises:
             ConfigError: the manifest cannot be read or breaks a rule (the message names it).
@@ -144,8 +149,15 @@ class Campaign:
             raise PbtError(f"{directory} is not empty; choose a new campaign directory")
         read = read_manifest_file(manifest_path)
         raw = {"manifest": read.sections, "base_dir": read.manifest.base_dir}
+        manifest = read.manifest
+        if budget:
+            raw["manifest"] = with_budget(read.sections, budget)
+            manifest = manifest_from_dict(
+                raw["manifest"], raw["base_dir"], _flags(budget, "pbt run")
+            )
+        manifest = with_environment(manifest)  # the store keeps the sections as written
         directory.mkdir(parents=True, exist_ok=True)
-        campaign = cls(directory, raw, read.manifest, member_command)
+        campaign = cls(directory, raw, manifest, member_command)
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(read.text, encoding="utf-8")
         campaign._create_generation_zero()
@@ -209,7 +221,7 @@ class Campaign:
             sections = with_budget(raw["manifest"], budget)
             manifest = manifest_from_dict(sections, base_dir=raw["base_dir"], source=_flags(budget))
             raw = raw | {"manifest": sections}
-        campaign = cls(directory, raw, manifest, member_command)
+        campaign = cls(directory, raw, with_environment(manifest), member_command)
         try:
             campaign._end_leftovers()
             if campaign.store.last_committed_generation() is None:
@@ -537,7 +549,7 @@ class Campaign:
         if generation > 0:
             mean = self.store.controller_state(generation - 1)["elapsed_s"] / generation
         plan = Plan(generation, self.manifest.budget.generations, slots, mean)
-        return ProgressDisplay(plan, say=self.say, every_s=every_s_from_env())
+        return ProgressDisplay(plan, say=self.say, every_s=self.manifest.tracking.progress_every_s)
 
     def _stop_for_disk(self, m: MemberRecord, outcome: Outcome) -> None:
         """A full disk is not the member's fault: clones would fail the same way. Stop, with
@@ -802,9 +814,9 @@ SUBMIT_FILES = frozenset({"controller.sbatch", "controller.log"})
 """What ``pbt submit`` puts in a campaign folder before its controller job creates the campaign."""
 
 
-def _flags(changes: dict[str, Any]) -> str:
-    """The ``pbt resume`` flags that ask for ``changes``, for messages."""
-    return "pbt resume " + " ".join(f"{FLAGS.get(k, k)} {v}" for k, v in changes.items())
+def _flags(changes: dict[str, Any], command: str = "pbt resume") -> str:
+    """The ``pbt resume`` (or ``command``'s) flags that ask for ``changes``, for messages."""
+    return f"{command} " + " ".join(f"{FLAGS.get(k, k)} {v}" for k, v in changes.items())
 
 
 def _controller_state(rng: random.Random, elapsed: float, gpu_seconds: float) -> dict[str, Any]:

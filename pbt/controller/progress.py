@@ -6,7 +6,8 @@ On a terminal, a tqdm bar per running member under a line with the ETAs, redrawn
 second and cleared when the launcher's round ends (the controller prints its own lines, such
 as each member's ``done``, between rounds, so nothing is drawn over them). Elsewhere (a pipe,
 a file, a batch job's log), a plain line per running member and one with the ETAs, every
-``every_s`` seconds::
+``every_s`` seconds (``tracking.progress_every_s``), each only when it changed since it was
+last printed (a member that is starting is said to be once)::
 
       g000-m01 step 3/10 reward 0.410 312 tok/s eta 12 s
       generation 0: 2 running, 2 queued; eta 41 s; campaign eta 3 min 05 s
@@ -22,7 +23,6 @@ estimate it from.
 from __future__ import annotations
 
 import heapq
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,37 +32,14 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from pbt.config.errors import PbtError
 from pbt.launch.local import TaskSpec
 from pbt.protocol.progress import Progress, read_progress
 
 EVERY_S = 10.0
-"""Seconds between the plain progress lines, unless ``PBT_PROGRESS_EVERY`` says otherwise."""
-EVERY_ENV = "PBT_PROGRESS_EVERY"
+"""Seconds between the plain progress lines by default (a campaign's
+``tracking.progress_every_s``)."""
 REFRESH_S = 0.5
 """Seconds between redraws of the bars."""
-
-
-def every_s_from_env() -> float:
-    """Seconds between plain progress lines: ``PBT_PROGRESS_EVERY`` (0: none), else
-    :data:`EVERY_S`.
-
-    Raises:
-        PbtError: the variable is not a number of seconds >= 0.
-    """
-    text = os.environ.get(EVERY_ENV, "").strip()
-    if not text:
-        return EVERY_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # NaN too
-        raise PbtError(
-            f"{EVERY_ENV} ({text!r}) must be a number of seconds >= 0 between progress lines, "
-            f"e.g. {EVERY_S:g}; 0 prints none"
-        )
-    return value
 
 
 def format_duration(seconds: float | None) -> str:
@@ -153,6 +130,7 @@ class ProgressDisplay:
         self._head: tqdm | None = None
         self._next_draw = self._started
         self._next_lines = self._started + every_s
+        self._said: dict[str, str] = {}  # the last plain line of each member, "" the ETAs'
 
     def __enter__(self) -> ProgressDisplay:
         return self
@@ -228,9 +206,14 @@ class ProgressDisplay:
         )
 
     def _lines(self, members: list[_Member], queued: int, now: float) -> None:
-        for m in members:
-            self.say(f"  {m.task_id} {describe(m.progress)}")
-        self.say(f"  {self._summary(members, queued, now)}")
+        """Each member's line and the ETAs, each only when it says something new: a member
+        still starting (or stalled at a step) is not repeated every ``every_s``."""
+        lines = [(m.task_id, f"  {m.task_id} {describe(m.progress)}") for m in members]
+        lines.append(("", f"  {self._summary(members, queued, now)}"))
+        for key, line in lines:
+            if self._said.get(key) != line:
+                self._said[key] = line
+                self.say(line)
 
     def _draw(self, members: list[_Member], queued: int, now: float) -> None:
         if self._head is None:

@@ -90,9 +90,10 @@ def signal_summary(history: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def collapse_detail(steps_in_a_row: int, patience: int, step: int) -> str:
-    """The words for a member ended as collapsed at lineage step ``step``."""
+    """The words for a member ended as collapsed at lineage step ``step`` (what follows is the
+    caller's to say: in a campaign and in library mode, selection replaces it)."""
     return (
         f"no signal for {steps_in_a_row} steps in a row (algorithm.collapse_patience = "
-        f"{patience}) up to step {step}: its task ended early, evaluated and saved, and selection "
-        "replaces it"
+        f"{patience}) up to step {step}: training stops here, and the member is evaluated and "
+        "saved as it is"
     )

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pbt.config import Manifest
+from pbt.config import LaunchConfig, Manifest
 from pbt.config.canonical import manifest_from_canonical
 from pbt.config.errors import PbtError
 from pbt.protocol import faults
@@ -111,6 +111,8 @@ def start_task(
     if parent:
         parent = inside(campaign, parent, "checkpoints", "the task's parent checkpoint")
     manifest = _manifest(task)
+    STATES.max_bytes = int(manifest.launch.state_cache_gib * 2**30)
+    STATES.max_device_bytes = int(manifest.launch.device_state_cache_gib * 2**30)
     world = world_info()
     device = pick_device(manifest.training.device, world.local_rank)
     if host is not None and host.serves(manifest):
@@ -263,13 +265,10 @@ class _Held:
     device_bytes: int
 
 
-STATES = StateCache(
-    int(float(os.environ.get("PBT_STATE_CACHE_GIB", "8")) * 2**30),
-    int(float(os.environ.get("PBT_DEVICE_STATE_CACHE_GIB", "0")) * 2**30),
-)
-"""The long-lived worker's cache (``PBT_STATE_CACHE_GIB`` of host memory, default 8; of
-that, ``PBT_DEVICE_STATE_CACHE_GIB`` also on the GPU, default 0: on an H200 it saved a few
-milliseconds a task, not worth the GPU memory by default)."""
+STATES = StateCache(int(LaunchConfig().state_cache_gib * 2**30))
+"""The long-lived worker's cache, within the limits of the manifest of the task it serves
+(``launch.state_cache_gib`` of host memory; of that, ``launch.device_state_cache_gib`` also
+on the GPU), set as each task starts; the defaults' before the first."""
 
 
 class ParentAhead:

@@ -139,7 +139,12 @@ def _banner(manifest: Manifest, member, device) -> str:
 
 def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, float]:
     """Evaluate, train to ``training.steps`` with an evaluation every ``eval_every`` steps,
-    evaluate again and save the checkpoint; returns the summary figures."""
+    evaluate again and save the checkpoint; returns the summary figures.
+
+    A member that collapses (``algorithm.collapse_patience`` steps in a row without signal)
+    stops there, as a campaign's task does: the collapse is said once, the member is evaluated
+    and saved, and the ``done`` line says at which step it stopped. Its updates were skipped
+    already, so the steps left would only repeat that; ``collapse_patience: null`` trains on."""
     cfg = manifest.training
     learner, task = member.learner, member.task
     started = time.perf_counter()
@@ -167,14 +172,17 @@ def _train_loop(manifest: Manifest, member, log: _RankZeroLog) -> dict[str, floa
         if cfg.eval_every:
             until = min(until, (learner.step // cfg.eval_every + 1) * cfg.eval_every)
         member.train(until - learner.step, on_step, log.say)
+        if member.stopped:  # collapsed, and said so once: stop, as a campaign's task does
+            break
         if learner.step < cfg.steps:  # an eval_every boundary; the last evaluation follows
             evaluate()
     last = evaluate()
     member.fitness.append(last)
     digest = member.save(log.out / "checkpoint")
     elapsed = time.perf_counter() - started
+    ended = f" (collapsed: stopped at step {learner.step} of {cfg.steps})" if member.stopped else ""
     log.say(
-        f"done: {learner.fitness_name} {first:.3f} -> {last:.3f} ({last - first:+.3f}) in "
+        f"done{ended}: {learner.fitness_name} {first:.3f} -> {last:.3f} ({last - first:+.3f}) in "
         f"{elapsed:.0f} s; "
         f"checkpoint {log.out / 'checkpoint'} (sha256 {(digest or '')[:12]})"
     )

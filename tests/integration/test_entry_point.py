@@ -114,7 +114,7 @@ def test_quickstart_member_learns(tmp_path):
 
 def test_wheel_installs_one_import_root(tmp_path):
     repo = REPO
-    _run(
+    built = _run(
         [
             sys.executable,
             "-m",
@@ -122,13 +122,15 @@ def test_wheel_installs_one_import_root(tmp_path):
             "wheel",
             "--no-deps",
             "--no-build-isolation",
-            "-q",
+            "-v",  # the build backend's own output: setuptools' warnings included
             "-w",
             str(tmp_path / "dist"),
             str(repo),
         ],
         tmp_path,
     )
+    warned = [line for line in (built.stdout + built.stderr).splitlines() if "Warning:" in line]
+    assert not warned, warned  # no wall of setuptools warnings at set-up
     wheel = next((tmp_path / "dist").glob("pbt_llm-*.whl"))
     import zipfile
 

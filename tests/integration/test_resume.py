@@ -19,7 +19,7 @@ import pytest
 import yaml
 from support import FAKE, FAKE_CAMPAIGN, TESTS, campaign_processes, start_campaign, write_manifest
 
-from pbt.cli.main import main
+from pbt.cli.main import main, pbt_command
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict
 from pbt.controller.budget import with_budget
@@ -285,7 +285,7 @@ def test_resuming_a_finished_campaign_says_so(tmp_path, finished, capsys):
     out = capsys.readouterr().out
     assert (
         f"campaign {directory} finished: 2 generations done; to train further: "
-        f"pbt resume {directory} --generations N (N > 2)"
+        f"{pbt_command()} resume {directory} --generations N (N > 2)"
     ) in out
     assert "training 0 of 0" not in out
     assert controller_running(directory) is None
@@ -322,6 +322,36 @@ def test_a_budget_raised_by_resume_gives_the_longer_campaign(tmp_path, straight,
     (key,) = raised
     assert again.ended() == (key, summary.stop_reason)
     again.close()
+
+
+@pytest.mark.integration
+def test_run_takes_the_budget_flags_resume_takes(tmp_path, straight, capsys):
+    """``pbt run --generations 4`` over a manifest that says 2 runs the campaign the manifest
+    with 4 would (the store keeps the flag's budget, as after a resume); a flag that breaks a
+    rule is one line naming the flag, the key and the rule, and creates nothing."""
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 2})
+    directory = tmp_path / "campaign"
+    summary = _run(
+        Campaign.start(manifest, directory, member_command=FAKE, budget={"generations": 4})
+    )
+    assert summary.generations == 4 and summary.stop_reason == "4 generations done"
+    assert _campaign(directory) == _campaign(straight[1])
+    with CampaignStore(directory / "store.db") as store:
+        assert store.load_config()["manifest"]["budget"] == {"generations": 4}
+
+    refused = tmp_path / "refused"
+    assert main(["run", str(manifest), "--dir", str(refused), "--generations", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: pbt run --generations 0: 1 problem",
+        "  - budget.generations (0) must be > 0",
+    ]
+    assert not refused.exists()
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    usage = capsys.readouterr().out
+    for flag in ("--generations N", "--total-steps N", "--wall-time-s X", "--gpu-hours X"):
+        assert flag in usage
 
 
 @pytest.mark.integration

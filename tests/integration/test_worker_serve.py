@@ -25,7 +25,9 @@ MANIFEST = {
 }
 
 
-def _tasks(campaign: Path, members: list[tuple[str, str | None]]) -> list[TaskSpec]:
+def _tasks(
+    campaign: Path, members: list[tuple[str, str | None]], manifest: dict = MANIFEST
+) -> list[TaskSpec]:
     tasks = []
     for member, parent in members:
         task_dir = campaign / "tasks" / member
@@ -34,7 +36,7 @@ def _tasks(campaign: Path, members: list[tuple[str, str | None]]) -> list[TaskSp
             task_dir / "task.json",
             {
                 "campaign_dir": str(campaign),
-                "manifest": MANIFEST,
+                "manifest": manifest,
                 "manifest_base_dir": str(campaign),
                 "member_id": member,
                 "generation": 1 if parent else 0,
@@ -84,6 +86,29 @@ def test_served_tasks_are_released_then_write_their_checkpoints(tmp_path: Path):
     assert outcomes[2].result["steps"] == 2  # c went on from a's checkpoint
     served = sorted((campaign / "workers" / "slot0" / "inbox").glob("*.json"))
     assert len(served) == 3  # one worker served all three
+
+
+@pytest.mark.parametrize(("cache_gib", "parent_from"), [(None, "memory"), (0.0, "disk")])
+def test_the_worker_keeps_states_within_the_manifests_cache(
+    tmp_path: Path, cache_gib: float | None, parent_from: str
+):
+    """A child of a member this worker trained loads its parent from the worker's memory,
+    within ``launch.state_cache_gib`` of the manifest the tasks carry (default 8 GiB); with 0
+    nothing is kept and the parent comes from disk (the worker reads no variable of its own)."""
+    manifest = MANIFEST if cache_gib is None else {**MANIFEST, "launch": {"state_cache_gib": 0.0}}
+    campaign = tmp_path / "campaign"
+    launcher = _launcher(campaign)
+    try:
+        (first,) = launcher.run(_tasks(campaign, [("a", None)], manifest))
+        (child,) = _tasks(campaign, [("c", "a")], manifest)
+        task = json.loads((child.task_dir / "task.json").read_text())
+        task["parent_digest"] = first.result["digest"]
+        write_json_atomic(child.task_dir / "task.json", task)
+        (second,) = launcher.run([child])
+    finally:
+        launcher.close()
+    assert [first.status, second.status] == ["ok", "ok"], [first.detail, second.detail]
+    assert second.result["parent_from"] == parent_from
 
 
 def test_a_background_write_that_finds_the_disk_full_fails_its_task(tmp_path: Path):

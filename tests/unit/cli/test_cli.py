@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from pbt.algorithms.runtime.member import Member
 from pbt.algorithms.runtime.models import resolve_model_path
-from pbt.cli.main import main
+from pbt.cli.main import main, pbt_command
 from pbt.config import load_manifest
 from pbt.config.canonical import manifest_from_canonical
 
@@ -102,7 +102,7 @@ def test_ctrl_c_during_run_names_the_command_that_resumes(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
-    assert f"interrupted: resume with pbt resume {shlex.quote(str(directory))}" in err, err
+    assert f"interrupted: resume with {pbt_command()} resume {shlex.quote(str(directory))}" in err
     assert "pbt resume DIR" not in err
 
 
@@ -136,3 +136,23 @@ def test_check_names_each_problem_on_its_own_line(tmp_path, capsys):
     problems = err.splitlines()[1:]
     assert len(problems) == 2 and all(p.startswith("  - ") for p in problems), err
     assert "model.nmae is not a known key; did you mean 'name'?" in problems[0]
+
+
+def test_the_pbt_command_a_message_suggests_runs_as_written(tmp_path, monkeypatch):
+    """After ``./dev quickstart`` nothing is activated: the commands the CLI suggests (``more:
+    pbt status ...``) name ``pbt`` only when it is on PATH, else its path, and run as printed."""
+    bin_dir = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert pbt_command() == "pbt"
+    monkeypatch.setenv("PATH", f"/usr/bin{os.pathsep}/bin")
+    monkeypatch.chdir(tmp_path)
+    command = pbt_command()
+    assert command != "pbt"
+    out = subprocess.run(
+        [*shlex.split(command), "--version"],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"/usr/bin{os.pathsep}/bin"},
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0 and out.stdout.startswith("pbt-llm "), out.stderr

@@ -16,13 +16,11 @@ import pytest
 import yaml
 from support import write_manifest
 
-from pbt.config.errors import PbtError
 from pbt.controller.campaign import Campaign
 from pbt.controller.progress import (
     Plan,
     ProgressDisplay,
     describe,
-    every_s_from_env,
     format_duration,
 )
 from pbt.controller.report import status_text
@@ -164,8 +162,9 @@ def test_ended_tasks_set_the_typical_time_and_no_lines_when_nothing_runs(tmp_pat
         display.poll([second], [])
         clock.now += 10.0
         display.poll([second], [])
-    assert len(said) == 4 and said[-2:] == [
-        "  g000-m01 starting",
+    assert said == [
+        "  g000-m01 starting",  # once: it is still starting 10 s later
+        "  generation 0: 1 running, 0 queued; eta 30 s; campaign eta 1 min 30 s",
         # 30 s typical, 10 s elapsed: 20 s left; the first generation's estimate (40 + 20 s)
         # stands for the next one
         "  generation 0: 1 running, 0 queued; eta 20 s; campaign eta 1 min 20 s",
@@ -192,17 +191,35 @@ def test_bars_render_on_a_terminal(tmp_path: Path):
     assert not display._bars and display._head is None  # cleared with the round
 
 
-def test_progress_every_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("PBT_PROGRESS_EVERY", raising=False)
-    assert every_s_from_env() == 10.0
-    monkeypatch.setenv("PBT_PROGRESS_EVERY", "0.5")
-    assert every_s_from_env() == 0.5
-    for bad in ("soon", "-1", "nan"):
-        monkeypatch.setenv("PBT_PROGRESS_EVERY", bad)
-        with pytest.raises(
-            PbtError, match=r"PBT_PROGRESS_EVERY \(.*\) must be a number of seconds"
-        ):
-            every_s_from_env()
+def test_plain_lines_say_each_thing_once(tmp_path: Path):
+    """A member that is slow to start is said to be ``starting`` once, not every ``every_s``;
+    the ETAs line too comes again only when it changes; a member's next step is a new line."""
+    clock, said = Clock(), []
+    plan = Plan(generation=0, generations=2, slots=2)
+    display = ProgressDisplay(plan, say=said.append, terminal=False, every_s=1.0, clock=clock)
+    a, b = _task(tmp_path, "g000-m00"), _task(tmp_path, "g000-m01")
+    with display:
+        for _ in range(6):  # a minute of loading, polled every 10 s
+            clock.now += 10.0
+            display.poll([a, b], [])
+        assert said == [
+            "  g000-m00 starting",
+            "  g000-m01 starting",
+            "  generation 0: 2 running, 0 queued; eta unknown; campaign eta unknown",
+        ]
+        Heartbeat(a.task_dir / "heartbeat").report(_training(1, 10, 30.0).to_json())
+        clock.now += 10.0
+        display.poll([a, b], [])
+        assert said[3:] == ["  g000-m00 step 1/10 reward 0.410 312 tok/s eta 30 s"]  # b waits
+        Heartbeat(b.task_dir / "heartbeat").report(_training(2, 10, 20.0).to_json())
+        clock.now += 10.0
+        display.poll([a, b], [])
+        assert said[4:] == [
+            "  g000-m01 step 2/10 reward 0.410 312 tok/s eta 20 s",
+            # a's 30 s; this generation (80 s so far + 30 s) again for the next one
+            "  generation 0: 2 running, 0 queued; eta 30 s; campaign eta 2 min 20 s",
+        ]
+    assert said.count("  g000-m00 starting") == 1
 
 
 # -- pbt status --------------------------------------------------------------------------------

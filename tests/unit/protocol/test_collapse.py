@@ -220,3 +220,25 @@ def test_a_campaign_ends_a_collapsing_member_early_says_why_once_and_replaces_it
     result = yaml.safe_load((directory / "tasks" / "g000-m00" / "result.json").read_text())
     assert result["fault"]["kind"] == "collapsed" and result["status"] == "ok"
     assert result["metrics"]["zero_signal_fraction_mean"] > 0
+
+
+def test_pbt_train_reports_a_collapse_once_and_stops(tmp_path, capsys):
+    """``pbt train`` on a member whose groups have no signal says why once, says it collapsed
+    once, stops there as a campaign's task does, and still evaluates and saves it."""
+    from pbt.worker.train import run_member
+
+    (tmp_path / "flat.py").write_text(CONSTANT_REWARD)
+    manifest = small_manifest(
+        tmp_path,
+        algorithm={"collapse_patience": 2},
+        task={"reward": {"file": str(tmp_path / "flat.py"), "function": "reward"}},
+        training={"steps": 8, "log_every": 1},
+    )
+    figures = run_member(manifest)
+    out = capsys.readouterr().out
+    assert out.count("every group in this batch got identical rewards") == 1
+    assert out.count("collapsed") == 2, out  # the step that ended it, and the done line
+    assert "step 2: collapsed: no signal for 2 steps in a row" in out
+    assert "step    3/8" not in out  # no step after the collapse
+    assert "done (collapsed: stopped at step 2 of 8): held-out reward" in out
+    assert (tmp_path / "out" / "checkpoint").is_dir() and "final_reward" in figures
