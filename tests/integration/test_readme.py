@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-README = Path(__file__).parents[1] / "README.md"
+README = REPO / "README.md"
 
 
 def python_snippets(text: str) -> list[str]:
