@@ -174,46 +174,6 @@ def model_config(shape: str):
     return Qwen2Config(**{"max_position_embeddings": 8192} | fields)
 
 
-def quantize_blocks(base, device) -> int:
-    """Replace every linear layer of ``base``'s blocks by a bitsandbytes 4-bit layer holding
-    its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
-    embeddings and the output layer stay as they are); returns how many. One layer at a time,
-    so the unquantized copy of a whole model is never held twice."""
-    from pbt.algorithms.runtime.models import keep_cpu_layout
-    from pbt.distributed.fsdp import transformer_blocks
-
-    count = sum(quantize_block(block, device) for block in transformer_blocks(base))
-    keep_cpu_layout(base)
-    return count
-
-
-def quantize_block(block, device) -> int:
-    """Quantize one block's linear layers in place (:func:`quantize_blocks`); how many."""
-    import bitsandbytes as bnb
-    import torch
-
-    count = 0
-    for parent in list(block.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear:
-                continue
-            layer = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=torch.bfloat16, compress_statistics=QLORA["double_quant"],
-                quant_type=QLORA["quant_type"], quant_storage=torch.bfloat16, device="meta",
-            )  # fmt: skip
-            layer.weight = bnb.nn.Params4bit(
-                child.weight.data, requires_grad=False,
-                compress_statistics=QLORA["double_quant"], quant_type=QLORA["quant_type"],
-                quant_storage=torch.bfloat16, module=layer,
-            )  # fmt: skip
-            if child.bias is not None:
-                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, name, layer.to(device))  # quantizes the weight
-            count += 1
-    return count
-
-
 def build_by_block(config, device, qlora: bool):
     """The base of ``config`` built on the meta device, then given storage block by block:
     random weights as transformers initialises them (normal, std ``initializer_range``; norms
@@ -221,7 +181,7 @@ def build_by_block(config, device, qlora: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.runtime.models import keep_cpu_layout
+    from pbt.algorithms.runtime.models import keep_cpu_layout, quantize_block
     from pbt.distributed.fsdp import transformer_blocks
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -245,7 +205,7 @@ def build_by_block(config, device, qlora: bool):
         for module in block.modules():
             materialise(module)
         if qlora:
-            quantize_block(block, device)
+            quantize_block(block, device, QLORA["quant_type"], QLORA["double_quant"])
     for module in base.modules():
         if id(module) not in inside:
             materialise(module)
@@ -275,7 +235,12 @@ def run_mode(
 
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.algorithms.runtime.activations import ActivationOffload, checkpoint_blocks
-    from pbt.algorithms.runtime.models import add_lora, quiet_transformers, set_mixed_precision
+    from pbt.algorithms.runtime.models import (
+        add_lora,
+        quantize_blocks,
+        quiet_transformers,
+        set_mixed_precision,
+    )
     from pbt.config import LoRAConfig
 
     quiet_transformers()
@@ -294,7 +259,7 @@ def run_mode(
             base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else None)
         base.requires_grad_(False)
         if qlora:
-            quantize_blocks(base, device)
+            quantize_blocks(base, device, QLORA["quant_type"], QLORA["double_quant"])
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     set_mixed_precision(model, True)
     if checkpointing:

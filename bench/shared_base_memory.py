@@ -2,6 +2,7 @@
 
     python bench/shared_base_memory.py --members 4                     # CPU, a 13M-parameter model
     python bench/shared_base_memory.py --members 8 --shape 0.5b --device cuda
+    python bench/shared_base_memory.py --members 4 --json              # the figures as JSON
 
 Each mode runs in its own fresh process: it builds the population, trains every member one GRPO
 step, and reports the memory it grew by (resident set size on CPU; peak allocated on CUDA):
@@ -158,12 +159,16 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="wide")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model-dir", help="an existing model folder instead of --shape")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     parser.add_argument("--child", choices=["shared", "separate"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_mode(args.child, args.model_dir, args.members, args.device)))
         return
     r = measure(args.shape, args.members, args.device, args.model_dir)
+    if args.json:
+        print(json.dumps(r))
+        return
     mib = 2**20
     print(f"population of {args.members}, shape {args.shape}, device {args.device}")
     print(f"  one model (base + adapter): {r['shared']['model_bytes'] / mib:8.1f} MiB")
