@@ -32,48 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_run import SHAPES as SCALE_SHAPES
-from train_step import SHAPES as STEP_SHAPES
+from shapes import QWEN2
 
-QWEN25_LARGE = {  # what Qwen2.5's 14B, 32B and 72B configs share
-    "vocab_size": 152064,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-SHAPES = {
-    **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
-    "7b": SCALE_SHAPES["7b"][1],  # Qwen2.5-7B: untied output layer, 152,064-token vocabulary
-    # Qwen2.5-14B, -32B and -72B's published shapes (and Qwen1.5-110B's), for the largest
-    # member one GPU trains
-    **{
-        name: dict(
-            QWEN25_LARGE,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-        )
-        for name, hidden, inter, layers, heads in [
-            ("14b", 5120, 13824, 48, 40),
-            ("32b", 5120, 27648, 64, 40),
-            ("72b", 8192, 29568, 80, 64),
-            ("110b", 8192, 49152, 80, 64),  # Qwen1.5-110B's shape, the same vocabulary
-        ]
-    },
-    # the built-in model's shape: a dry run of every mode in seconds on a CPU
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    ),
-}
+SHAPES = QWEN2
 
 MODES = {  # (checkpointing, offloading, qlora)
     "plain": (False, False, False),

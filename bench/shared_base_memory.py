@@ -24,21 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distributed_throughput import SHAPES as THROUGHPUT_SHAPES
+from shapes import pick
 
-SHAPES = {
-    # 13M parameters with the tiny tokenizer: big enough that allocator noise is small
-    "wide": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    # Qwen2.5-0.5B's shape (its 151,936-token vocabulary; the tiny tokenizer uses the first ids)
-    "0.5b": {**THROUGHPUT_SHAPES["0.5b"], "vocab_size": 151936, "head_dim": 64},
-}
+SHAPES = pick("wide", "0.5b")
 
 
 def _rss_bytes() -> int:
