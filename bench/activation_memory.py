@@ -32,48 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_run import SHAPES as SCALE_SHAPES
-from train_step import SHAPES as STEP_SHAPES
+from shapes import QWEN2
 
-QWEN25_LARGE = {  # what Qwen2.5's 14B, 32B and 72B configs share
-    "vocab_size": 152064,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-SHAPES = {
-    **STEP_SHAPES,  # "wide" (13M), "0.5b" and "1.5b" (Qwen2.5's shapes and vocabulary)
-    "7b": SCALE_SHAPES["7b"][1],  # Qwen2.5-7B: untied output layer, 152,064-token vocabulary
-    # Qwen2.5-14B, -32B and -72B's published shapes (and Qwen1.5-110B's), for the largest
-    # member one GPU trains
-    **{
-        name: dict(
-            QWEN25_LARGE,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-        )
-        for name, hidden, inter, layers, heads in [
-            ("14b", 5120, 13824, 48, 40),
-            ("32b", 5120, 27648, 64, 40),
-            ("72b", 8192, 29568, 80, 64),
-            ("110b", 8192, 49152, 80, 64),  # Qwen1.5-110B's shape, the same vocabulary
-        ]
-    },
-    # the built-in model's shape: a dry run of every mode in seconds on a CPU
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    ),
-}
+SHAPES = QWEN2
 
 MODES = {  # (checkpointing, offloading, qlora)
     "plain": (False, False, False),
@@ -174,46 +135,6 @@ def model_config(shape: str):
     return Qwen2Config(**{"max_position_embeddings": 8192} | fields)
 
 
-def quantize_blocks(base, device) -> int:
-    """Replace every linear layer of ``base``'s blocks by a bitsandbytes 4-bit layer holding
-    its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
-    embeddings and the output layer stay as they are); returns how many. One layer at a time,
-    so the unquantized copy of a whole model is never held twice."""
-    from pbt.algorithms.runtime.models import keep_cpu_layout
-    from pbt.distributed.fsdp import transformer_blocks
-
-    count = sum(quantize_block(block, device) for block in transformer_blocks(base))
-    keep_cpu_layout(base)
-    return count
-
-
-def quantize_block(block, device) -> int:
-    """Quantize one block's linear layers in place (:func:`quantize_blocks`); how many."""
-    import bitsandbytes as bnb
-    import torch
-
-    count = 0
-    for parent in list(block.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear:
-                continue
-            layer = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=torch.bfloat16, compress_statistics=QLORA["double_quant"],
-                quant_type=QLORA["quant_type"], quant_storage=torch.bfloat16, device="meta",
-            )  # fmt: skip
-            layer.weight = bnb.nn.Params4bit(
-                child.weight.data, requires_grad=False,
-                compress_statistics=QLORA["double_quant"], quant_type=QLORA["quant_type"],
-                quant_storage=torch.bfloat16, module=layer,
-            )  # fmt: skip
-            if child.bias is not None:
-                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, name, layer.to(device))  # quantizes the weight
-            count += 1
-    return count
-
-
 def build_by_block(config, device, qlora: bool):
     """The base of ``config`` built on the meta device, then given storage block by block:
     random weights as transformers initialises them (normal, std ``initializer_range``; norms
@@ -221,7 +142,7 @@ def build_by_block(config, device, qlora: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pbt.algorithms.runtime.models import keep_cpu_layout
+    from pbt.algorithms.runtime.models import keep_cpu_layout, quantize_block
     from pbt.distributed.fsdp import transformer_blocks
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -245,7 +166,7 @@ def build_by_block(config, device, qlora: bool):
         for module in block.modules():
             materialise(module)
         if qlora:
-            quantize_block(block, device)
+            quantize_block(block, device, QLORA["quant_type"], QLORA["double_quant"])
     for module in base.modules():
         if id(module) not in inside:
             materialise(module)
@@ -275,7 +196,12 @@ def run_mode(
 
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.algorithms.runtime.activations import ActivationOffload, checkpoint_blocks
-    from pbt.algorithms.runtime.models import add_lora, quiet_transformers, set_mixed_precision
+    from pbt.algorithms.runtime.models import (
+        add_lora,
+        quantize_blocks,
+        quiet_transformers,
+        set_mixed_precision,
+    )
     from pbt.config import LoRAConfig
 
     quiet_transformers()
@@ -294,7 +220,7 @@ def run_mode(
             base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else None)
         base.requires_grad_(False)
         if qlora:
-            quantize_blocks(base, device)
+            quantize_blocks(base, device, QLORA["quant_type"], QLORA["double_quant"])
     model = add_lora(base, LoRAConfig(r=16, alpha=32))
     set_mixed_precision(model, True)
     if checkpointing:

@@ -24,24 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {
-    "0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import pick
+
+SHAPES = pick("0.5b", "1.5b")
 MODES = {
     "1 GPU": (1, "single", []),
     "2 GPU data parallel": (2, "dp", []),
@@ -70,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.cuda.set_device(device)
     init_process_group(device)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, **SHAPES[args.shape])
+    config = Qwen2Config(**{"max_position_embeddings": 4096, **SHAPES[args.shape]})
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     base.requires_grad_(False)

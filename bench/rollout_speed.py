@@ -37,7 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import SHAPES
+from shapes import pick
+
+SHAPES = pick("wide", "0.5b", "1.5b")
 
 
 def main() -> None:

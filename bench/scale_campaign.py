@@ -42,13 +42,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_run import SHAPES as SCALE_SHAPES
+from shapes import QWEN2
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE / "scale_campaign.yaml"
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-7B's config (scale_run's "7b") with the tiny model's tokenizer
-    "7b": {**SCALE_SHAPES["7b"][1], "head_dim": 128, "dtype": "bfloat16"},
+    "7b": {**QWEN2["7b"], "head_dim": 128, "dtype": "bfloat16"},
     # the built-in tiny model itself (see model_folder)
     "tiny": {},
 }

@@ -32,56 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import QWEN2, QWEN3
+
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    # Qwen3-32B's published config.json
-    "32b": (
-        "qwen3",
-        dict(
-            vocab_size=151936,
-            hidden_size=5120,
-            intermediate_size=25600,
-            num_hidden_layers=64,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
-    ),
-    # Qwen2.5-7B's published config.json
-    "7b": (
-        "qwen2",
-        dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
-    ),
-    # The 32B architecture at a size for CPU tests; a prime vocabulary makes uneven shards
-    "tiny": (
-        "qwen3",
-        dict(
-            vocab_size=1031,
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "32b": ("qwen3", QWEN3["32b"]),  # Qwen3-32B's published config.json
+    "7b": ("qwen2", QWEN2["7b"]),  # Qwen2.5-7B's published config.json
+    "tiny": ("qwen3", QWEN3["tiny"]),  # the 32B architecture at a size for CPU tests
 }
+
 BLOCK_ELEMENTS = 1 << 24
 """Random values are drawn in blocks of whole rows of about this many elements, each block from
 its own seed: a rank draws only the blocks its shard overlaps."""

@@ -2,6 +2,7 @@
 
     python bench/shared_base_memory.py --members 4                     # CPU, a 13M-parameter model
     python bench/shared_base_memory.py --members 8 --shape 0.5b --device cuda
+    python bench/shared_base_memory.py --members 4 --json              # the figures as JSON
 
 Each mode runs in its own fresh process: it builds the population, trains every member one GRPO
 step, and reports the memory it grew by (resident set size on CPU; peak allocated on CUDA):
@@ -23,21 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distributed_throughput import SHAPES as THROUGHPUT_SHAPES
+from shapes import pick
 
-SHAPES = {
-    # 13M parameters with the tiny tokenizer: big enough that allocator noise is small
-    "wide": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-    ),
-    # Qwen2.5-0.5B's shape (its 151,936-token vocabulary; the tiny tokenizer uses the first ids)
-    "0.5b": {**THROUGHPUT_SHAPES["0.5b"], "vocab_size": 151936, "head_dim": 64},
-}
+SHAPES = pick("wide", "0.5b")
 
 
 def _rss_bytes() -> int:
@@ -158,12 +147,16 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="wide")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model-dir", help="an existing model folder instead of --shape")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     parser.add_argument("--child", choices=["shared", "separate"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_mode(args.child, args.model_dir, args.members, args.device)))
         return
     r = measure(args.shape, args.members, args.device, args.model_dir)
+    if args.json:
+        print(json.dumps(r))
+        return
     mib = 2**20
     print(f"population of {args.members}, shape {args.shape}, device {args.device}")
     print(f"  one model (base + adapter): {r['shared']['model_bytes'] / mib:8.1f} MiB")

@@ -43,13 +43,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from distributed_throughput import SHAPES as THROUGHPUT_SHAPES
-from shared_base_memory import SHAPES as MEMORY_SHAPES
+from shapes import pick
 
-SHAPES = {
-    **MEMORY_SHAPES,  # "wide" (13M, the tiny vocabulary) and "0.5b" (Qwen2.5-0.5B's shape)
-    "1.5b": {**THROUGHPUT_SHAPES["1.5b"], "vocab_size": 151936, "head_dim": 128},
-}
+SHAPES = pick("wide", "0.5b", "1.5b")
 
 
 def main() -> None:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shared_base_memory import SHAPES
+from shapes import pick
+
+SHAPES = pick("wide", "0.5b")
 
 
 def main() -> None:

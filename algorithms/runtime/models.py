@@ -20,6 +20,7 @@ from pbt.algorithms.runtime.gguf import gguf_model_dir
 from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
 from pbt.config.errors import ConfigError
 from pbt.config.model import locate_model, model_load_error
+from pbt.distributed.fsdp import transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -266,3 +267,41 @@ def compile_decoder(model) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.get_decoder().compile()
     model.pbt_compiled = True
+
+
+def quantize_blocks(base, device, quant_type: str = "nf4", double_quant: bool = True) -> int:
+    """Replace every linear layer of ``base``'s blocks by a bitsandbytes 4-bit layer holding
+    its weights quantized (what ``model.quantization`` gives through ``from_pretrained``: the
+    embeddings and the output layer stay as they are), for a model built in memory rather than
+    loaded; returns how many. One layer at a time,
+    so the unquantized copy of a whole model is never held twice."""
+    blocks = transformer_blocks(base)
+    count = sum(quantize_block(block, device, quant_type, double_quant) for block in blocks)
+    keep_cpu_layout(base)
+    return count
+
+
+def quantize_block(block, device, quant_type: str = "nf4", double_quant: bool = True) -> int:
+    """Quantize one block's linear layers in place (:func:`quantize_blocks`); how many."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent in list(block.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            layer = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=torch.bfloat16, compress_statistics=double_quant,
+                quant_type=quant_type, quant_storage=torch.bfloat16, device="meta",
+            )  # fmt: skip
+            layer.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False,
+                compress_statistics=double_quant, quant_type=quant_type,
+                quant_storage=torch.bfloat16, module=layer,
+            )  # fmt: skip
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer.to(device))  # quantizes the weight
+            count += 1
+    return count

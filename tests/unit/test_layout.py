@@ -276,7 +276,7 @@ def test_controller_floors_load_no_torch_and_public_paths_resolve():
     light = sorted(n for n in modules() if n.startswith(TORCH_FREE))
     code = (
         "import importlib, sys\n"
-        f"for name in {[*light, 'pbt.cli.main', 'pbt.library.create']!r}:\n"
+        f"for name in {[*light, 'pbt.cli.main', 'pbt.library.create', 'pbt.hpo']!r}:\n"
         "    importlib.import_module(name)\n"
         "import pbt\n"
         "pbt.create_population, pbt.GRPO, pbt.FSDPConfig\n"

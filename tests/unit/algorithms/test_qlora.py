@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import DRIVERS, REPO, small_sections
+from support import DRIVERS, small_sections
 
 from pbt.config.errors import CheckpointError, ConfigError
 from pbt.config.loader import manifest_from_dict
@@ -279,24 +279,18 @@ def test_quantization_without_bitsandbytes_says_what_to_install(tmp_path, monkey
 # -- the memory estimate and the bench --------------------------------------------------------
 
 
-def _bench():
-    sys.path.insert(0, str(REPO / "bench"))
-    import activation_memory
-
-    return activation_memory
-
-
-def test_the_bench_quantizes_what_model_quantization_loads():
-    """bench/activation_memory.py quantizes a model built in memory in place; the layers and
-    their 4-bit bytes are those ``model.quantization`` gives through ``from_pretrained``."""
+def test_quantizing_in_memory_gives_what_model_quantization_loads():
+    """``quantize_blocks`` (what bench/activation_memory.py uses) quantizes a model built in
+    memory in place; the layers and their 4-bit bytes are those ``model.quantization`` gives
+    through ``from_pretrained``."""
     from bitsandbytes.nn import Linear4bit
 
-    from pbt.algorithms.runtime.models import load_base_model
+    from pbt.algorithms.runtime.models import load_base_model, quantize_blocks
     from pbt.config import ModelConfig, QuantizationConfig
 
     loaded = load_base_model(ModelConfig(quantization=QuantizationConfig()), CPU)
     built = load_base_model(ModelConfig(), CPU)
-    assert _bench().quantize_blocks(built, CPU) == 14
+    assert quantize_blocks(built, CPU) == 14
     ours = {n: m for n, m in built.named_modules() if isinstance(m, Linear4bit)}
     theirs = {n: m for n, m in loaded.named_modules() if isinstance(m, Linear4bit)}
     assert ours.keys() == theirs.keys()
@@ -341,7 +335,7 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
     one does (tests/test_memory_estimate.py)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from pbt.algorithms.runtime.models import add_lora
+    from pbt.algorithms.runtime.models import add_lora, quantize_blocks
     from pbt.config import LoRAConfig
     from pbt.estimate.memory import Plan, adapter_params, layer_bytes
     from pbt.estimate.model_shape import shape_from_config
@@ -356,7 +350,7 @@ def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
         dtype = torch.bfloat16 if autocast else torch.float32
         qwen = Qwen2Config(num_hidden_layers=layers, **config)
         base = AutoModelForCausalLM.from_config(qwen, dtype=dtype).requires_grad_(False)
-        _bench().quantize_blocks(base, CPU)
+        quantize_blocks(base, CPU)
         model = add_lora(base, LoRAConfig(r=8)).train()
         return _saved_bytes(model, _batch(128), autocast)
 
@@ -383,7 +377,7 @@ def test_offloading_moves_the_same_tensors_on_a_4bit_base():
 
     from pbt.algorithms.rollout.hf import sequence_logprobs
     from pbt.algorithms.runtime.activations import ActivationOffload
-    from pbt.algorithms.runtime.models import add_lora
+    from pbt.algorithms.runtime.models import add_lora, quantize_blocks
     from pbt.config import LoRAConfig
 
     config = {
@@ -397,7 +391,7 @@ def test_offloading_moves_the_same_tensors_on_a_4bit_base():
         base = AutoModelForCausalLM.from_config(Qwen2Config(**config), dtype=torch.bfloat16)
         base.requires_grad_(False)
         if quantized:
-            _bench().quantize_blocks(base, CPU)
+            quantize_blocks(base, CPU)
         model = add_lora(base, LoRAConfig(r=8)).train()
         offload = ActivationOffload(CPU, min_bytes=1)
         seen = []

@@ -125,12 +125,11 @@ def test_reference_policy_is_the_base_for_every_member(tmp_path):
 
 @pytest.mark.integration
 def test_population_of_four_costs_about_one_member_of_memory():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from shared_base_memory import measure
-    finally:
-        sys.path.pop(0)
-    r = measure("wide", members=4, device="cpu")
+    script = REPO / "bench" / "shared_base_memory.py"
+    command = [sys.executable, str(script), "--shape", "wide", "--members", "4", "--json"]
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
     model = r["shared"]["model_bytes"]
     shared, separate = r["shared"], r["separate"]
     print(json.dumps(r, indent=1))

@@ -12,9 +12,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 import proof_of_value as harness
 import proof_stats as stats
