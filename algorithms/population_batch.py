@@ -3,7 +3,7 @@ rollouts in batches of ``launch.members_per_batch`` members, each row through it
 member's adapter (:mod:`pbt.algorithms.rollout.batched`).
 
 A member's rollout here is the rollout it makes alone in the adapter slot: the same tokens
-(bit for bit in float32 on the CPU), drawn from its own saved random stream, which ends where
+(token for token in float32 on the CPU), drawn from its own saved random stream, which ends where
 its solo rollout would leave it; nothing else of the member (adapter, optimizer, data
 position, Python's stream) is touched. Members are batched in the order given, at most
 ``members_per_batch`` at once.

@@ -1,5 +1,5 @@
 """Several members' rollouts in one batch (:mod:`pbt.algorithms.rollout.batched`) against each
-member sampled alone: the same tokens bit for bit (float32, CPU) and the same random stream
+member sampled alone: the same tokens (float32, CPU) and the same random stream
 afterwards, on the static engine and on Hugging Face ``generate``."""
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def _batched(member, engine: str, adapters, kernel="segmented"):
 def test_each_member_samples_as_alone(member, engine):
     """Three members with their own adapters, prompts (of different widths), temperature,
     top-k and top-p in one batch: each member's completions and its stream afterwards equal
-    its solo rollout's from the same stream state, bit for bit."""
+    its solo rollout's from the same stream state."""
     weights = [_adapter(member, seed) for seed in range(len(QUESTIONS))]
     adapters = RowAdapters(member.learner.model, slots=len(QUESTIONS))
     for slot, w in enumerate(weights):
-        adapters.load(slot, {_peft_name(n): t for n, t in w.items()})
+        adapters.load(slot, w)
     batches, streams = _batched(member, engine, adapters)
     texts = set()
     for i, (q, sampling) in enumerate(zip(QUESTIONS, SAMPLING, strict=True)):
@@ -112,7 +112,7 @@ def test_stacked_kernel_agrees(member):
     weights = [_adapter(member, seed) for seed in range(3)]
     adapters = RowAdapters(member.learner.model, slots=3)
     for slot, w in enumerate(weights):
-        adapters.load(slot, {_peft_name(n): t for n, t in w.items()})
+        adapters.load(slot, w)
     ids = torch.randint(3, 100, (7, 9), generator=torch.Generator().manual_seed(0))
     segments = segments_of([2, 1, 4])
     out = {}
@@ -122,10 +122,26 @@ def test_stacked_kernel_agrees(member):
                 out[kernel] = member.learner.model(input_ids=ids).logits
         _load(member, weights[2])
         alone = member.learner.model(input_ids=ids[3:]).logits
-    assert torch.equal(out["segmented"][3:], alone)
+    torch.testing.assert_close(out["segmented"][3:], alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["stacked"], out["segmented"], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out["segmented"][:2], out["segmented"][3:5])
 
 
-def _peft_name(name: str) -> str:
-    return name
+def test_a_broken_member_stays_its_own(member):
+    """A member whose adapter went non-finite (a diverged step) poisons only its own rows: the
+    other members' logits in the same batch are finite and equal their solo forwards (within a
+    BLAS's rounding of a larger batch)."""
+    weights = [_adapter(member, seed) for seed in range(3)]
+    weights[1] = {name: torch.full_like(t, float("nan")) for name, t in weights[1].items()}
+    adapters = RowAdapters(member.learner.model, slots=3)
+    for slot, w in enumerate(weights):
+        adapters.load(slot, w)
+    ids = torch.randint(3, 100, (6, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with adapters.rows(segments_of([2, 2, 2])):
+            together = member.learner.model(input_ids=ids).logits
+        for slot, rows in ((0, slice(0, 2)), (2, slice(4, 6))):
+            _load(member, weights[slot])
+            alone = member.learner.model(input_ids=ids[rows]).logits
+            torch.testing.assert_close(together[rows], alone, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(together[2:4]).all()

@@ -4,8 +4,9 @@ Every member's prompts go into one left-padded batch, its rows contiguous (a seg
 row runs through its own member's LoRA adapter (:mod:`pbt.algorithms.lora_batch`) and is
 sampled with its own member's temperature, top-k and top-p, drawing from its own member's
 random stream (a ``torch.Generator`` per member). A member's completions equal what it samples
-alone through the same engine from the same stream state (bit for bit in float32 on the CPU),
-and its stream ends where its solo rollout would leave it:
+alone through the same engine from the same stream state (token for token in float32 on the
+CPU, where the logits differ at most by a BLAS's rounding of a larger batch, about 1e-6; bf16
+on a GPU flips near-ties), and its stream ends where its solo rollout would leave it:
 
 - ``static``: the decoder of :mod:`pbt.algorithms.rollout.static` with the sampling done one
   segment at a time (a loop over members with bounds fixed per layout, so the decode step is
@@ -100,7 +101,13 @@ def generate_batched(
         if cfg.engine == "static":
             decoder = batched_decoder_for(model, tokenizer, cfg)
             completions, lengths = decoder.generate_rows(
-                prompt_ids, prompt_mask, segments, members, cfg, kernel=kernel
+                prompt_ids,
+                prompt_mask,
+                segments,
+                members,
+                cfg,
+                kernel=kernel,
+                autocast_dtype=getattr(model, "pbt_autocast_dtype", None),
             )
         elif cfg.engine == "hf":
             completions, lengths = _hf_rows(
@@ -226,12 +233,13 @@ class BatchedDecoder(StaticDecoder):
                 t.fill_(m.temperature if not m.sampling.greedy else 1.0)
             self._prefill_rows(state, prompt_ids, prompt_mask, cfg.min_output_tokens)
             lengths = self._decode_rows(state, max_new)
-        vocab = state.vocab
+        steps = max(lengths)
         for g, start, s, sampling, n in zip(
             plan.generators, start_states, segments, plan.samplings, lengths, strict=True
         ):
-            _wind(g, start, 0 if sampling.greedy else n, (s.stop - s.start, vocab), self.device)
-        return state.out[:, : max(lengths)].clone(), lengths
+            if n < steps and not sampling.greedy:  # it drew ``steps`` times; alone, ``n``
+                _wind(g, start, n, (s.stop - s.start, state.vocab), self.device)
+        return state.out[:, :steps].clone(), lengths
 
     def _decode_rows(self, state: _RowState, max_new: int) -> list[int]:
         lengths: list[int | None] = [None] * len(state.temperatures)

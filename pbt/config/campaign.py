@@ -262,10 +262,10 @@ class LaunchConfig:
     members_per_batch: PositiveInt = 1
     """Members whose rollouts one process samples in ONE batch through its one base model, each
     row through its own member's LoRA adapter with its own temperature and random stream
-    (library mode's ``get_actions`` and ``train_step`` rollouts; the ``hf`` and ``static``
-    engines, unsharded). A member samples exactly what it samples alone. Eight 0.5B members of
-    64 rows are one 512-row batch: a GPU decodes that at near its large-batch rate instead of
-    eight small batches in turn. 1: members take turns."""
+    (library mode's ``get_actions``; the ``hf`` and ``static`` engines, unsharded). A member
+    samples exactly what it samples alone. Eight 0.5B members of 64 rows are one 512-row batch,
+    which a GPU decodes nearer its large-batch rate than eight small batches in turn. 1: members
+    take turns."""
     max_attempts: PositiveInt = 2
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: Seconds = 300.0
