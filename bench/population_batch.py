@@ -17,6 +17,11 @@ autocast over a bf16 base as a member runs by default; every row runs to ``--tok
 - ``large batch, one adapter``: the same number of rows through the plain decoder: the rate
   the batch would reach if every row had one adapter (the bound the batched modes approach).
 
+``--train`` adds a train step's forward and backward (the completion log-probs of
+``--completion`` tokens a row, the lean log-prob path): the members in turn in the adapter
+slot, against all rows in one pass with per-row adapters; its rows' ratios are to the train
+step one at a time.
+
 Then the tolerance check: each member's rows' first-token logits in the batch (segmented)
 against its solo forward: the largest absolute difference over the logits' scale, and the
 share of rows whose greedy first token is the same (float32: exact; bf16: near-ties flip).
@@ -167,13 +172,66 @@ def measure(name: str, args, device) -> dict:
         print(
             f"  {name}, {label}: {n * tokens / best:,.0f} tok/s (warm-up {warm:.1f} s)", flush=True
         )
+    check = _tolerance(model, adapters, slot, adapters_by_member, ids, mask, segments, autocast)
+    if args.train:
+        rates |= _train_modes(model, adapters, slot, adapters_by_member, ids, mask, segments, args)
     return {
         "rates": rates,
-        "check": _tolerance(
-            model, adapters, slot, adapters_by_member, ids, mask, segments, autocast
-        ),
+        "check": check,
         "dtype": dtype,
     }
+
+
+def _train_modes(model, adapters, slot, weights, ids, mask, segments, args) -> dict:
+    """Forward and backward of every row's completion log-probs (``--completion`` tokens a
+    row): each member in turn over its rows in the adapter slot, against all members' rows in
+    one pass with per-row adapters (each member's stacked adapter gets its gradient from its
+    rows only)."""
+    import torch
+
+    from pbt.algorithms.models import set_mixed_precision
+    from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+
+    cuda = ids.device.type == "cuda"
+    set_mixed_precision(model, True)
+    gen = torch.Generator().manual_seed(1)
+    rows = ids.shape[0]
+    completion = torch.randint(2, model.config.vocab_size, (rows, args.completion), generator=gen)
+    completion_mask = torch.ones(completion.shape, dtype=torch.float32)
+    batch = RolloutBatch(
+        ids, mask, completion.to(ids.device), completion_mask.to(ids.device), [""] * rows
+    )
+    model.train()
+
+    def one_at_a_time():
+        for m, s in enumerate(segments):
+            with torch.no_grad():
+                for p, w in zip(slot, weights[m], strict=True):
+                    p.copy_(w)
+            rows = batch.select(slice(s.start, s.stop))
+            sequence_logprobs(model, rows, 1.0).sum().backward()
+
+    def one_pass():
+        with adapters.rows(segments, "segmented"):
+            sequence_logprobs(model, batch, 1.0).sum().backward()
+
+    out = {}
+    tokens = rows * args.completion
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(True)
+    modes = (("train step, one at a time", one_at_a_time), ("train step, one pass", one_pass))
+    for label, run in modes:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        best, warm = _timed(run, args.warmup, args.repeats, cuda)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        out[label] = (tokens / best, warm, peak)
+        print(f"  {label}: {tokens / best:,.0f} tok/s", flush=True)
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(False)
+        t.grad = None
+    model.eval()
+    return out
 
 
 def _tolerance(
@@ -216,6 +274,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--train", action="store_true",
+        help="also time a train step's forward and backward, one at a time against one pass",
+    )  # fmt: skip
+    parser.add_argument("--completion", type=int, default=64, help="tokens a row, --train")
     args = parser.parse_args()
 
     import torch
@@ -237,6 +300,8 @@ def main() -> None:
         rates = result["rates"]
         one, large = rates["one at a time"][0], rates["large batch, one adapter"][0]
         for label, (rate, warm, peak) in rates.items():
+            if label.startswith("train step"):  # its ratios: to the train step one at a time
+                one = large = rates["train step, one at a time"][0]
             print(
                 f"| {name} | {label} | {rate:,.0f} | **{rate / one:.2f}x** | {rate / large:.0%} | "
                 f"{warm:.1f} | {peak:.1f} |"
