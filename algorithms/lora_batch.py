@@ -9,7 +9,7 @@ batch layout: nothing branches on data, so a decode step that runs through it ca
 as one CUDA graph (the graph is captured per layout, as the static decoder captures per batch
 shape anyway).
 
-Why segments rather than the alternatives (measured by ``bench/lora_kernels.py``, reasoned
+Why segments rather than the alternatives (``bench/population_batch.py`` times both kernels; reasoned
 below):
 
 - each segment runs exactly the operations that peft's own ``Linear.forward`` runs for that

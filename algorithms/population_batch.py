@@ -12,20 +12,39 @@ position, Python's stream) is touched. Members are batched in the order given, a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from pbt.algorithms.examples import Chat
 from pbt.algorithms.lora_batch import RowAdapters
+from pbt.algorithms.member import Host, Member
 from pbt.algorithms.rollout.batched import MemberRollout, generate_batched
 from pbt.algorithms.rollout.hf import RolloutBatch
-
-if TYPE_CHECKING:
-    from pbt.algorithms.shared_base import SharedBase
+from pbt.config import Manifest
 
 
-def batchable(shared: SharedBase) -> bool:
+class SharedMembers(Protocol):
+    """What a batched rollout needs of a process hosting several members on one base model
+    (:class:`~pbt.algorithms.shared_base.SharedBase` is one)."""
+
+    manifest: Manifest
+    host: Host
+    row_adapters: RowAdapters | None
+
+    def member(self, member_id: str) -> Member: ...
+
+    def adapter_of(self, member_id: str) -> list[Tensor]: ...
+
+    def rng_of(self, member_id: str) -> dict[str, Any]: ...
+
+    def store_active(self) -> None: ...
+
+    def restore_active(self) -> None: ...
+
+
+def batchable(shared: SharedMembers) -> bool:
     """Whether ``shared`` samples its members together: more than one member a batch, an
     engine in this process (``hf`` or ``static``) and an unsharded model."""
     manifest = shared.manifest
@@ -37,7 +56,7 @@ def batchable(shared: SharedBase) -> bool:
 
 
 def complete_together(
-    shared: SharedBase, questions: dict[str, list[Chat]], training: bool
+    shared: SharedMembers, questions: dict[str, list[Chat]], training: bool
 ) -> dict[str, RolloutBatch]:
     """Completions for every member of ``questions`` (``group_size`` samples a question when
     ``training``, else one greedy), ``members_per_batch`` members to a batch."""
@@ -52,7 +71,7 @@ def complete_together(
 
 
 def _one_batch(
-    shared: SharedBase, ids: Sequence[str], questions: dict[str, list[Chat]], training: bool
+    shared: SharedMembers, ids: Sequence[str], questions: dict[str, list[Chat]], training: bool
 ) -> list[RolloutBatch]:
     host = shared.host
     adapters = _adapters(shared, len(ids))
@@ -83,7 +102,7 @@ def _one_batch(
     return batches
 
 
-def _adapters(shared: SharedBase, slots: int) -> RowAdapters:
+def _adapters(shared: SharedMembers, slots: int) -> RowAdapters:
     if shared.row_adapters is None or shared.row_adapters.slots < slots:
         per_batch = shared.manifest.launch.members_per_batch
         shared.row_adapters = RowAdapters(shared.host.model, max(slots, per_batch))

@@ -188,10 +188,6 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     base = next((r[2] for r in rows if r[0] == 1), rows[0][2])
-    if args.batched:
-        print(
-            f"(`{args.members} in one batch`: one process, launch.members_per_batch {args.members})"
-        )
     for k, wall, rate, busy, used, peak, _ in rows:
         print(
             f"| {k} | {wall:.1f} | {rate:,.0f} | **{rate / base:.2f}x** | "
@@ -199,6 +195,8 @@ def main() -> None:
             f"{'-' if used is None else f'{used:.1f} GiB'} | "
             f"{'-' if peak is None else f'{peak:.2f} GiB'} |"
         )
+    if args.batched:
+        print(f"\n`{args.members} in one batch`: one process, members_per_batch {args.members}")
     same = len({tuple(r[6]) for r in rows if isinstance(r[0], int)}) == 1
     print(f"\nsame fitness for every member whatever runs at once: {same}")
 

@@ -21,10 +21,10 @@ QUESTIONS = [
     ["Tom has 3 apples and buys 5 more. How many apples does Tom have now?"],
     ["a b", "spell cat backwards", "x"],
 ]
-SAMPLING = [  # temperature, top_k, top_p, greedy
+SAMPLING = [  # temperature, top_k, top_p, greedy (one greedy member among sampled ones)
     (1.0, 0, 1.0, False),
     (0.7, 5, 0.9, False),
-    (1.3, 0, 0.8, False),
+    (1.3, 0, 0.8, True),  # greedy: its temperature and top-p are not used
 ]
 
 
