@@ -214,31 +214,35 @@ class BatchedDecoder(StaticDecoder):
         batch, width = prompt_ids.shape
         max_new = cfg.max_output_tokens
         length = -(-(width + max_new) // LENGTH_BUCKET) * LENGTH_BUCKET
-        plan = _Plan(segments, tuple(m.sampling for m in members), [m.generator for m in members])
-        key = (batch, length, max_new, plan.segments, plan.samplings, kernel, autocast_dtype)
+        samplings = tuple(m.sampling for m in members)
+        key = (batch, length, max_new, segments, samplings, kernel, autocast_dtype)
         state = self._states.pop(key, None)
-        start_states = [g.get_state() for g in plan.generators]
+        start_states = [m.generator.get_state() for m in members]
         with self._context(autocast_dtype):
             if state is None:
                 while len(self._states) >= KEPT_SHAPES:
                     self._states.pop(next(iter(self._states)))
                 state = _RowState(self.model, batch, length, max_new, self.device, len(members))
-                state.plan = plan
+                state.plan = _Plan(segments, samplings, state.generators)
+                _set_states(state.generators, start_states)
                 if self.cuda_graphs:
-                    self._capture_rows(state, plan, start_states)
+                    self._capture_rows(state, start_states)
             self._states[key] = state
-            state.plan = plan  # this call's generators (the graph replays their registered streams)
+            # the layout's own generators, which a captured graph draws from, take the
+            # members' streams for the call and give them back after it
+            _set_states(state.generators, start_states)
             state.cache.reset()
             for t, m in zip(state.temperatures, members, strict=True):
                 t.fill_(m.temperature if not m.sampling.greedy else 1.0)
             self._prefill_rows(state, prompt_ids, prompt_mask, cfg.min_output_tokens)
             lengths = self._decode_rows(state, max_new)
         steps = max(lengths)
-        for g, start, s, sampling, n in zip(
-            plan.generators, start_states, segments, plan.samplings, lengths, strict=True
+        for m, own, start, s, n in zip(
+            members, state.generators, start_states, segments, lengths, strict=True
         ):
-            if n < steps and not sampling.greedy:  # it drew ``steps`` times; alone, ``n``
-                _wind(g, start, n, (s.stop - s.start, state.vocab), self.device)
+            if n < steps and not m.sampling.greedy:  # it drew ``steps`` times; alone, ``n``
+                _wind(own, start, n, (s.stop - s.start, state.vocab), self.device)
+            m.generator.set_state(own.get_state())
         return state.out[:, :steps].clone(), lengths
 
     def _decode_rows(self, state: _RowState, max_new: int) -> list[int]:
@@ -301,7 +305,7 @@ class BatchedDecoder(StaticDecoder):
         state.cache_position.add_(1)
         state.step.add_(1)
 
-    def _capture_rows(self, state: _RowState, plan: _Plan, start_states: list[Tensor]) -> None:
+    def _capture_rows(self, state: _RowState, start_states: list[Tensor]) -> None:
         """:meth:`StaticDecoder._capture` for the row step, the member generators registered
         with the graph and put back where they were before the warm-up."""
         stream = torch.cuda.Stream()
@@ -311,12 +315,11 @@ class BatchedDecoder(StaticDecoder):
                 self._row_step(state)
         torch.cuda.current_stream().wait_stream(stream)
         state.graph = torch.cuda.CUDAGraph()
-        for g in plan.generators:
+        for g in state.generators:
             state.graph.register_generator_state(g)
         with torch.cuda.graph(state.graph):
             self._row_step(state)
-        for g, start in zip(plan.generators, start_states, strict=True):
-            g.set_state(start)
+        _set_states(state.generators, start_states)
         self.captures += 1
 
 
@@ -335,9 +338,16 @@ class _RowState(_State):
         self.temperatures = [
             torch.ones(1, dtype=torch.float32, device=device) for _ in range(members)
         ]
+        self.generators = [torch.Generator(device=device) for _ in range(members)]
+        """The layout's own generator per member: a captured graph draws from these."""
         self.plan: _Plan | None = None
         self.logits: Tensor | None = None
         self.vocab = 0
+
+
+def _set_states(generators: list[torch.Generator], states: list[Tensor]) -> None:
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
 
 
 def _wind(generator: torch.Generator, start: Tensor, draws: int, shape, device) -> None:
