@@ -45,10 +45,10 @@ from train_step import SHAPES
 
 SHAPES = {
     **SHAPES,
-    "smollm2-shape": {  # SmolLM2-135M-Instruct's sizes (a Llama there; a random Qwen2 here)
+    "smollm2-shape": {  # SmolLM2-135M-Instruct's sizes (a tied Llama there; an untied Qwen2 here)
         "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
-        "tie_word_embeddings": True,
+        "head_dim": 64,
     },
 }  # fmt: skip
 
