@@ -106,6 +106,31 @@ def test_each_member_samples_as_alone(member, engine):
     assert len(texts) > 3  # the adapters and the sampling make the rows differ
 
 
+@pytest.mark.parametrize("engine", ["static", "hf"])
+def test_a_member_that_ends_first_leaves_its_stream_as_alone(member, engine):
+    """The output layer made to favour end-of-sequence, so one member's rows all end while the
+    others' run on: its completions are cut where its solo rollout stops, and its stream is
+    where its solo rollout leaves it (not advanced by the batch's further steps)."""
+    model, tokenizer = member.learner.model, member.learner.tokenizer
+    head = model.get_base_model().get_output_embeddings()
+    eos, saved = tokenizer.eos_token_id, head.weight.detach().clone()
+    ids = tokenizer(["hello there", "a b c d"], return_tensors="pt", padding=True)
+    try:
+        with torch.no_grad():
+            hidden = model(**ids, output_hidden_states=True).hidden_states[-1]
+            mean = hidden.reshape(-1, hidden.shape[-1]).mean(dim=0)
+            head.weight[eos] = mean / mean.norm() ** 2 * 15.0  # an end logit of ~15 on average
+        test_each_member_samples_as_alone(member, engine)
+        adapters = RowAdapters(model, slots=len(QUESTIONS))
+        for slot, seed in enumerate(range(len(QUESTIONS))):
+            adapters.load(slot, _adapter(member, seed))
+        lengths = [b.completion_ids.shape[1] for b in _batched(member, engine, adapters)[0]]
+        assert min(lengths) < max(lengths) == 40  # one member stopped early, the batch ran on
+    finally:
+        with torch.no_grad():
+            head.weight.copy_(saved)
+
+
 def test_stacked_kernel_agrees(member):
     """The stacked kernel (one matmul pair for every member) gives each row its own member's
     output: its logits equal the segmented kernel's within float32 rounding."""
