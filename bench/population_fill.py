@@ -1,9 +1,13 @@
 """A population that fills the GPU: population tokens/s with 1, 2, 4, ... members trained at once
-on one GPU (``launch.members_per_gpu``), against one member at a time, side by side in one run.
+on one GPU (``launch.members_per_gpu``), against one member at a time, side by side in one run;
+with ``--batched``, also every member in one process whose rollouts are one batch
+(``launch.members_per_batch``).
 
     python bench/population_fill.py                                   # CPU, the tiny model
     python bench/population_fill.py --shape 0.5b --device cuda --members 8 --steps 20 \\
         --engine static --at-once 1 2 4 8
+    python bench/population_fill.py --shape 0.5b --device cuda --members 8 --steps 8 \\
+        --engine static --at-once 1 8 --mps --batched
 
 For each ``--at-once`` k: ``--generations`` generations (default 2) of ``--members`` member tasks
 through the campaign's own launcher, k long-lived workers on one GPU (one slot each); from the
@@ -13,6 +17,13 @@ captured their graphs by then): its population tokens/s is every completion toke
 trained by every member (rollout + train) over the generation's wall time. On CUDA,
 ``nvidia-smi`` is sampled every 200 ms during it: the GPU's busy share and the most memory in
 use. Each member's result reports its own peak (``peak_memory_gib``).
+
+``--batched``: the same members, steps and lrs as a library-mode population in this process
+(one base model, ``launch.members_per_batch`` = ``--members``): each step samples every
+member's prompts in ONE batch, each row through its own member's adapter, then each member
+scores and learns from its own rows (:class:`pbt.Population`'s ``get_actions``, ``reward``,
+``learn``). A first round of ``--steps`` steps warms up (graphs captured); the second is
+measured. Its tokens are counted as the workers' are.
 """
 
 from __future__ import annotations
@@ -85,6 +96,16 @@ def main() -> None:
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
+        "--model",
+        help="a model.name instead of --shape (builtin:smollm2-135m-instruct after "
+        "`python bench/real_model.py fetch`)",
+    )
+    parser.add_argument(
+        "--batched",
+        action="store_true",
+        help="also run every member in one process, their rollouts in one batch",
+    )
+    parser.add_argument(
         "--mps", action="store_true",
         help="run the workers under a private CUDA MPS daemon (kernels of different processes "
         "then run side by side instead of time-sliced)",
@@ -96,8 +117,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         mps_env = _start_mps(root / "mps") if args.mps else {}
-        model = "builtin:tiny"
-        if args.shape != "tiny":
+        model = args.model or "builtin:tiny"
+        if args.shape != "tiny" and not args.model:
             from pbt.algorithms.builtin.tiny import build_shaped_model
 
             model = str(build_shaped_model(root / "model", **SHAPES[args.shape]))
@@ -152,6 +173,8 @@ def main() -> None:
                     rows.append((k, wall, tokens / wall, busy, used, peak, fitness))
             finally:
                 launcher.close()
+        if args.batched:
+            rows.append(_batched(manifest, args, root, group * prompts))
         if mps_env:
             subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
                            env={**os.environ, **mps_env}, check=False)  # fmt: skip
@@ -174,8 +197,50 @@ def main() -> None:
             f"{'-' if used is None else f'{used:.1f} GiB'} | "
             f"{'-' if peak is None else f'{peak:.2f} GiB'} |"
         )
-    same = len({tuple(r[6]) for r in rows}) == 1
+    if args.batched:
+        print(f"\n`{args.members} in one batch`: one process, members_per_batch {args.members}")
+    same = len({tuple(r[6]) for r in rows if isinstance(r[0], int)}) == 1
     print(f"\nsame fitness for every member whatever runs at once: {same}")
+
+
+def _batched(manifest: dict, args, root: Path, rows_per_step: int) -> tuple:
+    """The population in one process, rollouts in one batch: the table's row."""
+    import torch
+
+    from pbt import create_population
+
+    config = {
+        **manifest,
+        "launch": {"members_per_batch": args.members},
+        "training": {**manifest["training"], "output_dir": str(root / "batched")},
+    }
+    pop = create_population(config=config, population_size=args.members)
+    for i, agent in enumerate(pop):
+        agent.set_hyperparameters({"lr": LR * (0.8 + 0.1 * i)})
+    cuda = args.device == "cuda"
+    for measured in (False, True):
+        sampler = _GpuSampler(args.gpu) if measured and cuda else None
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start, tokens = time.perf_counter(), 0.0
+        for _ in range(args.steps):
+            prompts = {agent: agent.sample_prompts() for agent in pop}
+            for agent, batch in pop.get_actions(prompts).items():
+                agent.learn(batch, agent.reward(prompts[agent], batch))
+                tokens += float(batch.completion_mask.sum())
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        busy, used = sampler.stop() if sampler else (None, None)
+        print(
+            f"{args.members} in one batch, {'measured' if measured else 'warm-up'} round: "
+            f"wall {wall:.1f} s, {tokens / wall:,.0f} tok/s",
+            flush=True,
+        )
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    fitness = [round(agent.test(), 4) for agent in pop]
+    return (f"{args.members} in one batch", wall, tokens / wall, busy, used, peak, fitness)
 
 
 if __name__ == "__main__":

@@ -58,11 +58,13 @@ def pick_tokens(
     temperature: Tensor,
     eos_id: int,
     suppress_eos: Tensor,
+    generator: torch.Generator | None = None,
 ) -> Tensor:
     """``[B]`` next tokens from ``[B, V]`` logits, in the order Hugging Face applies its
     processors: end-of-sequence suppressed while ``suppress_eos``, then temperature, top-k,
     top-p. Sampling is an exponential race (``argmax p / E``, ``E ~ Exp(1)``), which draws each
-    token with probability ``p`` and needs no host synchronisation."""
+    token with probability ``p`` and needs no host synchronisation; the draws come from
+    ``generator`` (torch's global one when None)."""
     logits = logits.float()
     eos = logits[:, eos_id]
     logits[:, eos_id] = torch.where(suppress_eos, torch.full_like(eos, -torch.inf), eos)
@@ -79,7 +81,7 @@ def pick_tokens(
         drop[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop.scatter(1, index, drop), -torch.inf)
     probs = logits.softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1)
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / race).argmax(dim=-1)
 
 

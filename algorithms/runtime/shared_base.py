@@ -24,6 +24,7 @@ from torch import Tensor
 
 from pbt.algorithms.data.examples import Chat
 from pbt.algorithms.rollout.hf import RolloutBatch
+from pbt.algorithms.runtime.lora_batch import RowAdapters
 from pbt.algorithms.runtime.member import (
     Host,
     Member,
@@ -32,6 +33,7 @@ from pbt.algorithms.runtime.member import (
     restore_rng,
     seed_everything,
 )
+from pbt.algorithms.runtime.population_batch import batchable, complete_together
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
 
@@ -64,6 +66,8 @@ class SharedBase:
         self._weights: dict[str, list[Tensor]] = {}
         self._rng: dict[str, dict[str, Any]] = {}
         self.active: str | None = None
+        self.row_adapters: RowAdapters | None = None
+        """The members' adapters stacked for batched rollouts (``launch.members_per_batch``)."""
 
     @property
     def world(self):
@@ -146,6 +150,26 @@ class SharedBase:
                 saved.copy_(local_shard(p))
         self._rng[self.active] = capture_rng()
 
+    def store_active(self) -> None:
+        """Bring the active member's saved copies (:meth:`adapter_of`, :meth:`rng_of`) up to date."""
+        self._store_active()
+
+    def restore_active(self) -> None:
+        """Put the active member's saved copies back in place (after they were changed)."""
+        self._restore_active()
+
+    def adapter_of(self, member_id: str) -> list[Tensor]:
+        """The member's saved adapter tensors, in the order of the host's trainable parameters
+        (the slot's values for the active member only after :meth:`store_active`)."""
+        self.member(member_id)
+        return self._weights[member_id]
+
+    def rng_of(self, member_id: str) -> dict[str, Any]:
+        """The member's saved global RNG streams (:func:`~pbt.algorithms.runtime.member.capture_rng`),
+        which the caller may update in place."""
+        self.member(member_id)
+        return self._rng[member_id]
+
     def _restore_active(self) -> None:
         active, self.active = self.active, None
         if active is not None:
@@ -161,10 +185,14 @@ class SharedBase:
 
         With a vLLM rollout every member's prompts go to the engine in ONE batch (a LoRA
         request per prompt; adapters that changed since the engine last saw them are reloaded
-        first, each in place). With Hugging Face ``generate`` the members take turns in the
-        adapter slot. Sampling seeds come from the streams of the member active at the call.
+        first, each in place). With ``launch.members_per_batch`` > 1 on the ``hf`` or ``static``
+        engine, that many members at a time in one batch, each row through its own member's
+        adapter (:mod:`~pbt.algorithms.runtime.population_batch`); otherwise the members take turns in
+        the adapter slot. Sampling seeds come from the streams of the member active at the call.
         """
         engine = self.host.engine
+        if engine is None and batchable(self):
+            return complete_together(self, questions, training)
         if engine is None:
             batches = {}
             for member_id, asked in questions.items():

@@ -269,6 +269,13 @@ class LaunchConfig:
     kernels run side by side instead of time-sliced (8 members of a 0.5B shape on one H200:
     3.60x one at a time under MPS, 1.46x time-sliced). Without ``nvidia-cuda-mps-control`` the
     campaign says so and time-slices."""
+    members_per_batch: PositiveInt = 1
+    """Members whose rollouts one process samples in ONE batch through its one base model, each
+    row through its own member's LoRA adapter with its own temperature and random stream
+    (library mode's ``get_actions``; the ``hf`` and ``static`` engines, unsharded). A member
+    samples exactly what it samples alone. Eight 0.5B members of 64 rows are one 512-row batch,
+    which a GPU decodes nearer its large-batch rate than eight small batches in turn. 1: members
+    take turns."""
     max_attempts: PositiveInt = 2
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: Seconds = 300.0

@@ -1,0 +1,186 @@
+"""Per-row LoRA: one forward of a batch whose rows belong to different members, each row
+through its own member's adapter, on one frozen base model.
+
+The rows of one member are contiguous (a *segment*), so a LoRA layer's delta is computed one
+segment at a time: ``B_m(A_m(x[start:stop])) * scaling`` for member ``m`` over its rows, the
+base layer once over all rows. That is a *segmented* matmul (S-LoRA and Punica call it SGMV),
+written as a loop of ordinary matmuls over slices whose bounds are Python integers fixed per
+batch layout: nothing branches on data, so a decode step that runs through it can be captured
+as one CUDA graph (the graph is captured per layout, as the static decoder captures per batch
+shape anyway).
+
+Why segments rather than the alternatives (``bench/population_batch.py`` times both kernels; reasoned
+below):
+
+- each segment runs exactly the operations that peft's own ``Linear.forward`` runs for that
+  member alone (``result + lora_B(lora_A(x)) * scaling`` on the same shapes), so the adapter
+  adds nothing of its own to a row's rounding and its gradient comes only from its rows by
+  construction (the base layers do run over more rows, and a BLAS may round a row
+  differently with more rows: about 1e-6 relative, seen on the CPU at 10 against 30 rows);
+- a gathered matmul (per-row ``A``/``B`` gathered by member index, then ``bmm``) moves
+  ``rows x in x r`` weights per layer per step: at 512 decode rows of the 0.5B shape that is
+  gigabytes a token, more than the base model's weights;
+- peft's mixed-adapter batches (``adapter_names=`` per row) compute the same segments but
+  rebuild their row indices from Python lists in every layer of every forward, index with
+  them (a gather and a scatter per layer) and need every member as a named peft adapter,
+  where the shared base holds one adapter slot and members by value.
+
+The ``stacked`` kernel is the other candidate for decoding on a GPU: all members' ``A`` as
+one ``[M r, in]`` matrix, a per-row mask that keeps only the row's own member's ``r``
+columns, and all ``B`` as one ``[out, M r]`` matrix: two matmuls per layer whatever ``M``,
+but a different summation order than the solo forward (equal within floating-point
+tolerance), so the exactness tests use ``segmented``.
+
+Adapters live in :class:`RowAdapters`: per LoRA layer one ``[M, r, in]`` and one
+``[M, out, r]`` tensor, member ``m``'s at index ``m`` (a contiguous view, so a segment's
+matmul is the same call as the solo one). Loading a member copies its values in place, so
+captured graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+KERNELS = ("segmented", "stacked")
+"""The per-row LoRA kernels: see the module's docstring."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Rows ``[start, stop)`` of a batch, all of member slot ``slot``."""
+
+    start: int
+    stop: int
+    slot: int
+
+
+def segments_of(sizes: Sequence[int]) -> tuple[Segment, ...]:
+    """Consecutive segments of ``sizes[m]`` rows for slots ``0, 1, ...`` (empty ones left out)."""
+    out, start = [], 0
+    for slot, size in enumerate(sizes):
+        if size:
+            out.append(Segment(start, start + size, slot))
+        start += size
+    return tuple(out)
+
+
+def lora_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every peft LoRA linear layer of ``model`` with the default adapter."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {})
+    ]
+
+
+class RowAdapters:
+    """``slots`` members' LoRA weights for every LoRA layer of ``model``, stacked by slot.
+
+    Args:
+        model: a peft model with one LoRA adapter (``default``), as the shared base holds it.
+        slots: how many members a batch may hold.
+    """
+
+    def __init__(self, model, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots ({slots}) must be at least 1")
+        self.slots = slots
+        self.layers = lora_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no LoRA layers: per-row adapters need a peft model")
+        self.a: list[Tensor] = []
+        self.b: list[Tensor] = []
+        for _, layer in self.layers:
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            self.a.append(a.new_zeros((slots, *a.shape)).requires_grad_(False))
+            self.b.append(b.new_zeros((slots, *b.shape)).requires_grad_(False))
+        self._stacked: dict[tuple, Tensor] = {}
+
+    def load_from_model(self, slot: int) -> None:
+        """Copy the adapter now in the model's slot into ``slot``."""
+        with torch.no_grad():
+            for i, (_, layer) in enumerate(self.layers):
+                self.a[i][slot].copy_(layer.lora_A["default"].weight)
+                self.b[i][slot].copy_(layer.lora_B["default"].weight)
+
+    def load(self, slot: int, named: dict[str, Tensor]) -> None:
+        """Copy an adapter given by the model's parameter names (``...lora_A.default.weight``)
+        into ``slot``; every LoRA layer's two matrices must be there."""
+        with torch.no_grad():
+            for i, (name, _) in enumerate(self.layers):
+                self.a[i][slot].copy_(named[f"{name}.lora_A.default.weight"])
+                self.b[i][slot].copy_(named[f"{name}.lora_B.default.weight"])
+
+    def _mask(self, segments: tuple[Segment, ...], rows: int, like: Tensor) -> Tensor:
+        """``[rows, slots * r]``: 1 on each row's own slot's ``r`` columns (the stacked kernel)."""
+        key = (segments, like.dtype, like.device)
+        mask = self._stacked.get(key)
+        if mask is None:
+            r = self.a[0].shape[1]
+            mask = torch.zeros((rows, self.slots * r), dtype=like.dtype, device=like.device)
+            for s in segments:
+                mask[s.start : s.stop, s.slot * r : (s.slot + 1) * r] = 1
+            self._stacked[key] = mask
+        return mask
+
+    @contextlib.contextmanager
+    def rows(self, segments: tuple[Segment, ...], kernel: str = "segmented") -> Iterator[None]:
+        """Inside the block, the model's LoRA layers send each segment's rows through its
+        slot's adapter; the segments must cover every row of every forward."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+        for i, (_, layer) in enumerate(self.layers):
+            forward = _segmented if kernel == "segmented" else _stacked
+            layer.forward = _bound(forward, self, i, layer, segments)
+        try:
+            yield
+        finally:
+            for _, layer in self.layers:
+                del layer.forward  # the class's forward again
+
+
+def _bound(forward, adapters: RowAdapters, index: int, layer, segments):
+    def call(x: Tensor, *args, **kwargs) -> Tensor:
+        return forward(adapters, index, layer, segments, x, *args, **kwargs)
+
+    return call
+
+
+def _segmented(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> Tensor:
+    """peft's ``Linear.forward`` for one adapter, applied segment by segment."""
+    result = layer.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    if layer.disable_adapters:
+        return result
+    a, b = adapters.a[index], adapters.b[index]
+    dropout, scaling = layer.lora_dropout["default"], layer.scaling["default"]
+    x = x.to(a.dtype)
+    parts = []
+    for s in segments:
+        delta = torch.nn.functional.linear(
+            torch.nn.functional.linear(dropout(x[s.start : s.stop]), a[s.slot]), b[s.slot]
+        )
+        parts.append((result[s.start : s.stop] + delta * scaling).to(dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _stacked(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> Tensor:
+    """Every slot's ``A`` at once, masked to the row's own slot, then every slot's ``B``."""
+    result = layer.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    if layer.disable_adapters:
+        return result
+    a, b = adapters.a[index], adapters.b[index]  # [M, r, in], [M, out, r]
+    slots, r, width = a.shape
+    x = layer.lora_dropout["default"](x.to(a.dtype))
+    hidden = torch.nn.functional.linear(x, a.reshape(slots * r, width))  # [N, ..., M r]
+    mask = adapters._mask(segments, x.shape[0], hidden)
+    hidden = hidden * mask.view(x.shape[0], *([1] * (x.dim() - 2)), slots * r)
+    b_flat = b.permute(1, 0, 2).reshape(b.shape[1], slots * r)  # [out, M r]
+    delta = torch.nn.functional.linear(hidden, b_flat)
+    return (result + delta * layer.scaling["default"]).to(dtype)

@@ -1,0 +1,130 @@
+"""A shared base's members sampled together: :class:`~pbt.algorithms.runtime.shared_base.SharedBase`'s
+rollouts in batches of ``launch.members_per_batch`` members, each row through its own
+member's adapter (:mod:`pbt.algorithms.rollout.batched`).
+
+A member's rollout here is the rollout it makes alone in the adapter slot: the same tokens
+(token for token in float32 on the CPU), drawn from its own saved random stream, which ends where
+its solo rollout would leave it; nothing else of the member (adapter, optimizer, data
+position, Python's stream) is touched. Members are batched in the order given, at most
+``members_per_batch`` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from pbt.algorithms.data.examples import Chat
+from pbt.algorithms.rollout.batched import MemberRollout, generate_batched
+from pbt.algorithms.rollout.hf import RolloutBatch
+from pbt.algorithms.runtime.lora_batch import RowAdapters
+from pbt.algorithms.runtime.member import Host, Member
+from pbt.config import Manifest
+
+
+class SharedMembers(Protocol):
+    """What a batched rollout needs of a process hosting several members on one base model
+    (:class:`~pbt.algorithms.runtime.shared_base.SharedBase` is one)."""
+
+    manifest: Manifest
+    host: Host
+    row_adapters: RowAdapters | None
+
+    def member(self, member_id: str) -> Member: ...
+
+    def adapter_of(self, member_id: str) -> list[Tensor]: ...
+
+    def rng_of(self, member_id: str) -> dict[str, Any]: ...
+
+    def store_active(self) -> None: ...
+
+    def restore_active(self) -> None: ...
+
+
+def batchable(shared: SharedMembers) -> bool:
+    """Whether ``shared`` samples its members together: more than one member a batch, an
+    engine in this process (``hf`` or ``static``) and an unsharded model."""
+    manifest = shared.manifest
+    return (
+        manifest.launch.members_per_batch > 1
+        and manifest.rollout.engine in ("hf", "static")
+        and shared.host.fsdp is None
+    )
+
+
+def complete_together(
+    shared: SharedMembers, questions: dict[str, list[Chat]], training: bool
+) -> dict[str, RolloutBatch]:
+    """Completions for every member of ``questions`` (``group_size`` samples a question when
+    ``training``, else one greedy), ``members_per_batch`` members to a batch."""
+    per_batch = shared.manifest.launch.members_per_batch
+    ids = list(questions)
+    shared.store_active()  # the active member's adapter and stream, read from its copy
+    out: dict[str, RolloutBatch] = {}
+    for start in range(0, len(ids), per_batch):
+        chunk = ids[start : start + per_batch]
+        out.update(zip(chunk, _one_batch(shared, chunk, questions, training), strict=True))
+    return {member_id: out[member_id] for member_id in ids}
+
+
+def _one_batch(
+    shared: SharedMembers, ids: Sequence[str], questions: dict[str, list[Chat]], training: bool
+) -> list[RolloutBatch]:
+    host = shared.host
+    adapters = _adapters(shared, len(ids))
+    names = [name for name, _ in host.named_trainable]
+    asks = []
+    for slot, member_id in enumerate(ids):
+        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+        learner = shared.member(member_id).learner
+        cfg = learner.rollout_cfg
+        asks.append(
+            MemberRollout(
+                slot=slot,
+                questions=questions[member_id],
+                repeats=learner.algorithm.group_size if training else 1,
+                generator=_generator(shared.rng_of(member_id), host.device),
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                greedy=not training,
+            )
+        )
+    host.model.eval()
+    learner = shared.member(ids[0]).learner
+    batches = generate_batched(host.model, host.tokenizer, adapters, asks, learner.rollout_cfg)
+    for member_id, ask in zip(ids, asks, strict=True):
+        _store_stream(shared.rng_of(member_id), ask.generator, host.device)
+    shared.restore_active()
+    return batches
+
+
+def _adapters(shared: SharedMembers, slots: int) -> RowAdapters:
+    if shared.row_adapters is None or shared.row_adapters.slots < slots:
+        per_batch = shared.manifest.launch.members_per_batch
+        shared.row_adapters = RowAdapters(shared.host.model, max(slots, per_batch))
+    return shared.row_adapters
+
+
+def _generator(rng: dict[str, Any], device: torch.device) -> torch.Generator:
+    """A generator in the state of the member's saved global stream on ``device``."""
+    generator = torch.Generator(device=device)
+    if device.type == "cuda":
+        generator.set_state(rng["cuda"][_index(device)])
+    else:
+        generator.set_state(rng["torch"])
+    return generator
+
+
+def _store_stream(rng: dict[str, Any], generator: torch.Generator, device: torch.device) -> None:
+    if device.type == "cuda":
+        rng["cuda"][_index(device)] = generator.get_state()
+    else:
+        rng["torch"] = generator.get_state()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
