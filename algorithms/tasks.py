@@ -72,6 +72,10 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         ConfigError: unknown task, too few distinct prompts, unreadable rows, or a bad reward
             reference.
     """
+    if cfg.stages:
+        from pbt.algorithms.stages import load_staged
+
+        return Task(cfg.source, *load_staged(cfg, base_dir, seed, load_task))
     if cfg.train is not None:
         return _file_task(cfg, base_dir, seed)
     if cfg.source.startswith(REASONING_GYM_PREFIX):
