@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from support import small_manifest
 
+from pbt.algorithms.checkpoint import load_checkpoint
 from pbt.algorithms.member import Member
 from pbt.algorithms.stages import StagedRows
 from pbt.config.errors import ConfigError
+from pbt.controller.campaign import Campaign
+from pbt.controller.store import CampaignStore
 
 CPU = torch.device("cpu")
 REWARD = (
@@ -149,3 +153,46 @@ def test_replay_needs_stages(tmp_path) -> None:
     with pytest.raises(ConfigError) as caught:
         small_manifest(tmp_path, task={"replay": 0.2})
     assert caught.value.problems[0].startswith("task.replay (0.2) replays earlier stages")
+
+
+@pytest.mark.integration
+def test_a_campaigns_copies_read_on_in_their_parents_stage(tmp_path) -> None:
+    """A 2 x 2 campaign of real members (the worker, the tiny model): generation 1's members
+    start from their parents' checkpoints at step 2 and cross into stage b at step 3; their
+    stage-a position holds all three stage-a steps, two of them their parent's."""
+    sections = {
+        "model": {"name": "builtin:tiny"},
+        "algorithm": {"group_size": 2, "prompts_per_step": 2},
+        "rollout": {"max_output_tokens": 4},
+        "task": _files(tmp_path) | {"stages": [
+            {"until_step": 3, "train": "a.jsonl", "eval": "a_eval.jsonl"},
+            {"train": "b.jsonl", "eval": "b_eval.jsonl"},
+        ]},
+        "training": {"seed": 2, "device": "cpu"},
+        "population": {"size": 2, "tournament_size": 2, "evo_steps": 2},
+        "budget": {"generations": 2},
+        "launch": {"slots": 2, "persistent_workers": False},
+        "tracking": {"enabled": False},
+    }  # fmt: skip
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    campaign = Campaign.start(path, tmp_path / "run")
+    campaign.say = lambda *_: None
+    try:
+        campaign.run()
+    finally:
+        campaign.close()
+    with CampaignStore(tmp_path / "run" / "store.db") as store:
+        members = store.members()
+    positions = {
+        m.member_id: load_checkpoint(tmp_path / "run" / m.checkpoint)["learner"]["data"]
+        for m in members
+    }
+    for m in members:
+        data = positions[m.member_id]
+        if m.generation == 0:
+            assert data["stage"] == 0 and data["stages"] == [[0, 4]]
+        else:
+            assert m.parent_id is not None and m.steps == 4
+            assert data["stage"] == 1 and data["stages"][0] == [0, 6]
+            assert positions[m.parent_id]["stages"][0] == [0, 4]
