@@ -129,6 +129,11 @@ def test_losers_copy_winners_and_open_slots_take_fitter_outsiders() -> None:
     mf = MultiFrequencySelection(8, 2, [1, 3])
     chosen = mf.select(population, random.Random(0))  # after generation 0: group 0 only
     assert all(c.survivor for c in chosen[4:])
+    # group 1 does not evolve: its members keep their values even when survivors are explored
+    explore = Mutations(RANGES, no_mutation=0.0, rl_hp=1.0, perturb="all", perturb_survivors=True)
+    done = explore.mutate_population(chosen, random.Random(0))
+    assert [h for _, h in done[4:]] == ["none (survivor)"] * 4
+    assert done[3][1].endswith(" (survivor)") and done[3][0] != population[3].hyperparameters
     # group 0 ranked 3, 2, 1, 0: winner slot 3, open slot 2, losers slots 1 and 0
     assert chosen[3].survivor and chosen[0].parent is chosen[1].parent is population[3]
     assert not chosen[0].survivor and chosen[0].hyperparameters is None  # a copy, explored

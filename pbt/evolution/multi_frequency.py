@@ -13,7 +13,8 @@ winners, no survivors, a quarter open, the rest losers):
 
 - each loser is replaced by a copy of a winner drawn uniformly, and the copy is explored (the
   campaign's mutation, as truncation selection's copies are);
-- winners and survivors continue unchanged;
+- winners and survivors continue unchanged (explored too under ``mutation.perturb_survivors``;
+  the members of a group that does not evolve are left alone either way);
 - each open member, best first, is compared with the best not yet taken member of the *other*
   groups, ranked by fitness before anything evolved: when that outsider is fitter it migrates
   into the open slot, else the slot keeps its member and the same outsider is offered to the
@@ -107,7 +108,17 @@ class MultiFrequencySelection:
                 ]
             )
         scores = [_score(member, self.fitness_window) for member in population]
-        chosen = [Selected(parent=m, is_elite=False, survivor=True) for m in population]
+        # a group that does not evolve now is left alone, even under perturb_survivors
+        chosen = [
+            Selected(
+                parent=m,
+                is_elite=False,
+                survivor=True,
+                hyperparameters=dict(m.hyperparameters),
+                how="none (survivor)",
+            )
+            for m in population
+        ]
         generation = max(m.generation for m in population)
         for group in self.evolving(generation):
             self._evolve(group, population, scores, chosen, rng)
@@ -127,6 +138,8 @@ class MultiFrequencySelection:
         """Fill ``chosen``'s slots of ``group``: losers by winners' copies, open slots by
         migrants (from the snapshot ``population``, whatever other groups do)."""
         own = range(group * self.group_size, (group + 1) * self.group_size)
+        for slot in own:  # kept members of an evolving group: explored under perturb_survivors
+            chosen[slot] = Selected(parent=population[slot], is_elite=False, survivor=True)
         ranked = self._ranked(list(own), scores)
         n_win, n_keep, n_open, _ = self.brackets
         winners = ranked[:n_win]
