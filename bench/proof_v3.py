@@ -88,6 +88,13 @@ SHAPES = {
     "h200": Shape(
         launch={"gpus_per_member": 1, "members_per_gpu": 8, "mps": True, "slots": 8},
     ),
+    # the fallback if Stage 0 measures a seed of "h200" above 9 minutes
+    "h200_lite": Shape(
+        steps=36,
+        eval_size=513,
+        test_size=2049,
+        launch={"gpus_per_member": 1, "members_per_gpu": 8, "mps": True, "slots": 8},
+    ),
     # the CPU dry run: the untrained tiny model, seconds per campaign
     "micro": Shape(
         model="builtin:tiny",
@@ -362,7 +369,10 @@ class shared_mps:
 
     def __exit__(self, *_) -> None:
         if self.daemon is not None:
+            keys = list(self.daemon.env)
             self.daemon.stop()
+            for key in keys:  # the harness's own CUDA work then runs without the daemon
+                os.environ.pop(key, None)
 
 
 def child_env(device: str) -> dict[str, str]:
