@@ -5,6 +5,7 @@ during training, PBT against strong baselines, pre-registered (``bench/proof_v3_
     python bench/proof_v3.py stage0-report                                  # the gate
     python bench/proof_v3.py seed --task S --seed 0 --shape h200 --device cuda
     python bench/proof_v3.py analyse --task S
+    python bench/proof_v3.py replay --task S --seed 0 --grid bench/results/proof_v3/stage0.json
     python bench/proof_v3.py seed --task S --seed 0 --shape micro --device cpu --strategies pbt,default  # CPU
 
 ``seed`` runs every strategy of one task and one seed in one invocation, on one machine (so the
@@ -263,31 +264,93 @@ def best_of(directories: list[Path], splits: list[dict]) -> dict:
     return {"member": member_id, "eval": eval_fitness} | macro_accuracy(member, splits)
 
 
-def hand_schedule(m: dict, shape: Shape, seed: int, splits: list[dict], peak: float) -> dict:
-    """The expert's run: the lr restarts at ``peak`` at each stage's first step and decays by a
-    cosine to a tenth within the stage; temperature 1.0; library mode, one member."""
+def scheduled_run(one: dict, steps: int, splits: list[dict], values_at=None) -> dict:
+    """One member of manifest ``one`` trained ``steps`` steps in library mode (``Member``),
+    ``values_at(step)`` (hyperparameters by name, or None) applied before each step; scored on
+    the eval and test rows."""
+    import torch
+
     from pbt.algorithms.member import Member
     from pbt.config.loader import manifest_from_dict
 
-    one = single(m, seed, peak, "constant", 1.0)
     manifest = manifest_from_dict(one, base_dir=".")
-    import torch
-
     member = Member(manifest, torch.device(manifest.training.device))
-    starts = [0, *stage_ends(shape.steps)]
-    ends = [*starts[1:], shape.steps]
     began = time.monotonic()
-    for step in range(shape.steps):
-        stage = max(i for i, s in enumerate(starts) if step >= s)
-        progress = (step - starts[stage]) / max(1, ends[stage] - starts[stage])
-        lr = peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-        member.learner.apply_hyperparameters({"lr": lr})
+    for step in range(steps):
+        if values_at is not None:
+            member.learner.apply_hyperparameters(values_at(step))
         member.learner.train_step(member.task.train, member.task.reward)
     wall = time.monotonic() - began
     held = macro_accuracy(member, splits, "eval")["macro"]
-    return {"eval": held, "member_steps": shape.steps, "wall_s": wall} | macro_accuracy(
-        member, splits
-    )
+    scored = macro_accuracy(member, splits)
+    return {"eval": held, "member_steps": steps, "wall_s": wall} | scored
+
+
+def hand_schedule(m: dict, shape: Shape, seed: int, splits: list[dict], peak: float) -> dict:
+    """The expert's run: the lr restarts at ``peak`` at each stage's first step and decays by a
+    cosine to a tenth within the stage; temperature 1.0; library mode, one member."""
+    starts = [0, *stage_ends(shape.steps)]
+    ends = [*starts[1:], shape.steps]
+
+    def values_at(step: int) -> dict:
+        stage = max(i for i, s in enumerate(starts) if step >= s)
+        progress = (step - starts[stage]) / max(1, ends[stage] - starts[stage])
+        return {"lr": peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))}
+
+    one = single(m, seed, peak, "constant", 1.0)
+    return scheduled_run(one, shape.steps, splits, values_at)
+
+
+def trajectory(directory: Path) -> list[dict]:
+    """The hyperparameters of a campaign's best member's lineage, one dict per generation (what
+    each of its ancestors trained with), generation 0 first."""
+    from pbt.controller.store import STORE_FILENAME, CampaignStore
+
+    with CampaignStore(directory / STORE_FILENAME) as store:
+        members = {x.member_id: x for x in store.members()}
+        member_id, _ = store.best()
+    chain = []
+    record = members[member_id]
+    while record is not None:
+        chain.append(dict(record.hyperparameters))
+        record = members.get(record.parent_id) if record.parent_id else None
+    return chain[::-1]
+
+
+def replay(args: argparse.Namespace) -> dict:
+    """Schedule replay: the best ``pbt`` member's trajectory of seed ``args.seed`` replayed from
+    the start on new training seeds, against ``grid_fixed`` on the same seeds (both in library
+    mode); written to ``<out>/replay-<task>-s<seed>.json``."""
+    shape = SHAPES[args.shape]
+    work = Path(args.work_dir).resolve() / args.task / f"s{args.seed}"
+    values = trajectory(work / "pbt-0")
+    grid = json.loads(Path(args.grid).read_text())["grid_fixed"]
+    splits = task_splits(args.task, shape.eval_size, shape.test_size)
+    out = {"task": args.task, "seed": args.seed, "trajectory": values, "runs": []}
+    for seed in args.replay_seeds:
+        m = base_manifest(args.task, shape, seed, args.device, work / "replay-data")
+        one = single(m, seed, values[0]["lr"], "constant", values[0].get("temperature", 1.0))
+        replayed = scheduled_run(
+            one,
+            shape.steps,
+            splits,
+            lambda step: values[min(step // shape.evo_steps, len(values) - 1)],
+        )
+        fixed = single(m, seed, grid["lr"], grid["schedule"], grid["temperature"])
+        out["runs"].append(
+            {
+                "seed": seed,
+                "replay": replayed,
+                "grid_fixed": scheduled_run(fixed, shape.steps, splits),
+            }
+        )
+        print(
+            f"seed {seed}: replay {replayed['macro']:.3f}, grid_fixed {out['runs'][-1]['grid_fixed']['macro']:.3f}"
+        )
+    path = Path(args.out) / f"replay-{args.task}-s{args.seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
 
 
 # -- one seed -------------------------------------------------------------------------------
@@ -530,7 +593,7 @@ def analyse(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["seed", "stage0", "stage0-report", "analyse"])
+    parser.add_argument("command", choices=["seed", "stage0", "stage0-report", "analyse", "replay"])
     parser.add_argument("--task", choices=TASKS, default="S")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="h200")
@@ -539,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid", help="seed: Stage 0's stage0.json (for grid_fixed)")
     parser.add_argument("--peak", type=float, default=3.0e-4, help="stage0: the expert's peak lr")
     parser.add_argument("--parallel", type=int, default=0, help="members at once (0: the shape's)")
+    parser.add_argument(
+        "--replay-seeds",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[200, 201, 202],
+        help="replay: the new training seeds",
+    )
     parser.add_argument("--work-dir", default="runs/proof_v3")
     parser.add_argument("--out", default=str(BENCH / "results" / "proof_v3"))
     return parser
@@ -549,9 +618,14 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         raise SystemExit(f"--strategies ({sorted(unknown)}) must be of {', '.join(STRATEGIES)}")
-    {"seed": run_seed, "stage0": stage0, "stage0-report": stage0_report, "analyse": analyse}[
-        args.command
-    ](args)
+    commands = {
+        "seed": run_seed,
+        "stage0": stage0,
+        "stage0-report": stage0_report,
+        "analyse": analyse,
+        "replay": replay,
+    }
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
