@@ -1,7 +1,7 @@
 """Proof of value III: on a real pretrained model, a task whose best hyperparameters change
 during training, PBT against strong baselines, pre-registered (``bench/proof_v3_protocol.md``).
 
-    python bench/proof_v3.py stage0 --seed 100 --shape h200 --device cuda   # one call a seed
+    python bench/proof_v3.py stage0 --seed 100 --part 0/2 --device cuda   # and 1/2; seeds 101, 102
     python bench/proof_v3.py stage0-report                                  # the gate
     python bench/proof_v3.py seed --task S --seed 0 --shape h200 --device cuda
     python bench/proof_v3.py analyse --task S
@@ -448,51 +448,83 @@ def child_env(device: str) -> dict[str, str]:
 # -- Stage 0 --------------------------------------------------------------------------------
 
 
+def stage0_grid(shape_name: str) -> list[dict]:
+    """Stage 0's grid for a shape (the dry run's: three of its configurations)."""
+    return GRID if shape_name != "micro" else GRID[::7]
+
+
 def stage0(args: argparse.Namespace) -> dict:
-    """One calibration seed of Task S: the base model's accuracy per difficulty, the grid
-    (every configuration one run), random search's best of ``slots`` trials, and the expert's
-    schedule; written to ``<out>/stage0-s<seed>.json``."""
+    """One calibration seed of Task S, or part ``k/n`` of it (grid configurations k, k + n, ...;
+    part 0 also the base model's accuracy per difficulty, random search's best of ``slots``
+    trials and the expert's schedule): every grid configuration one run, scored on the test
+    rows; written to ``<out>/stage0-s<seed>-p<k>of<n>.json``."""
     shape = SHAPES[args.shape]
+    part, parts = (int(x) for x in args.part.split("/"))
     work = Path(args.work_dir).resolve() / "stage0" / f"s{args.seed}"
     m = base_manifest("S", shape, args.seed, args.device, work / "data")
     splits = task_splits("S", shape.eval_size, shape.test_size)
-    grid = GRID if args.shape != "micro" else GRID[::7]
+    grid = stage0_grid(args.shape)
+    mine = list(range(part, len(grid), parts))
     jobs = [
-        (single(m, args.seed, g["lr"], g["schedule"], g["temperature"]), work / f"grid-{i}")
-        for i, g in enumerate(grid)
+        (
+            single(m, args.seed, grid[i]["lr"], grid[i]["schedule"], grid[i]["temperature"]),
+            work / f"grid-{i}",
+        )
+        for i in mine
     ]
-    jobs += [(strategy_manifests("random", m, args.seed, None)[0], work / "random-0")]
+    if part == 0:
+        jobs += [(strategy_manifests("random", m, args.seed, None)[0], work / "random-0")]
     began = time.monotonic()
     with shared_mps(args.device):
         run_campaigns(jobs, args.parallel or shape.parallel, child_env(args.device))
-    out = {
-        "seed": args.seed,
-        "shape": args.shape,
-        "grid": [],
-        "campaigns_wall_s": time.monotonic() - began,
-    }
-    member, _ = _member(m, str(work))
-    out["step0"] = macro_accuracy(member, splits, "eval")
-    for g, (_, directory) in zip(grid, jobs, strict=False):
+    out = {"seed": args.seed, "shape": args.shape, "part": args.part, "grid": {}}
+    out["campaigns_wall_s"] = time.monotonic() - began
+    if part == 0:
+        member, _ = _member(m, str(work))
+        out["step0"] = macro_accuracy(member, splits, "eval")
+    for i, (_, directory) in zip(mine, jobs, strict=False):
         steps = spent(directory)["member_steps"]
         wall = json.loads((directory / "finished.json").read_text())["wall_s"]
-        out["grid"].append(
-            g | best_of([directory], splits) | {"member_steps": steps, "wall_s": wall}
-        )
-    out["random"] = best_of([work / "random-0"], splits)
-    out["hand_schedule"] = hand_schedule(m, shape, args.seed, splits, args.peak)
+        scored = best_of([directory], splits) | {"member_steps": steps, "wall_s": wall}
+        out["grid"][str(i)] = grid[i] | scored
+    if part == 0:
+        out["random"] = best_of([work / "random-0"], splits)
+        out["hand_schedule"] = hand_schedule(m, shape, args.seed, splits, args.peak)
     out["wall_s"] = time.monotonic() - began
-    path = Path(args.out) / f"stage0-s{args.seed}.json"
+    path = Path(args.out) / f"stage0-s{args.seed}-p{part}of{parts}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
-    print(f"stage 0 seed {args.seed}: {out['wall_s']:.0f} s; step 0 {out['step0']}", flush=True)
+    print(f"stage 0 seed {args.seed} part {args.part}: {out['wall_s']:.0f} s", flush=True)
     return out
+
+
+def _stage0_runs(folder: Path) -> list[dict]:
+    """Each calibration seed's parts merged into one run; a seed missing a part is named."""
+    by_seed: dict[int, dict] = {}
+    for path in sorted(folder.glob("stage0-s*-p*.json")):
+        part = json.loads(path.read_text())
+        run = by_seed.setdefault(
+            part["seed"], {"seed": part["seed"], "shape": part["shape"], "grid": {}, "wall_s": 0.0}
+        )
+        run["grid"] |= part["grid"]
+        run["wall_s"] += part["wall_s"]
+        run |= {k: part[k] for k in ("step0", "random", "hand_schedule") if k in part}
+    runs = []
+    for seed, run in sorted(by_seed.items()):
+        missing = len(stage0_grid(run["shape"])) - len(run["grid"])
+        if missing or "random" not in run:
+            raise SystemExit(
+                f"stage 0 seed {seed} lacks {missing} grid runs or part 0; run them first"
+            )
+        run["grid"] = [run["grid"][str(i)] for i in range(len(run["grid"]))]
+        runs.append(run)
+    return runs
 
 
 def stage0_report(args: argparse.Namespace) -> dict:
     """The gate over the calibration seeds' results: the table and the decision, written to
     ``<out>/stage0.json`` (its ``grid_fixed`` is the configuration the comparison runs)."""
-    runs = [json.loads(p.read_text()) for p in sorted(Path(args.out).glob("stage0-s*.json"))]
+    runs = _stage0_runs(Path(args.out))
     if not runs:
         raise SystemExit(f"no stage0-s*.json in {args.out}: run stage0 --seed N first")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -601,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategies", type=lambda t: t.split(","), default=list(STRATEGIES))
     parser.add_argument("--grid", help="seed: Stage 0's stage0.json (for grid_fixed)")
     parser.add_argument("--peak", type=float, default=3.0e-4, help="stage0: the expert's peak lr")
+    parser.add_argument("--part", default="0/1", help="stage0: k/n, the part of the grid to run")
     parser.add_argument("--parallel", type=int, default=0, help="members at once (0: the shape's)")
     parser.add_argument(
         "--replay-seeds",

@@ -6,7 +6,8 @@
 set -euo pipefail
 work=${1:-runs/proof_v3_dry}
 run() { python bench/proof_v3.py "$@" --shape micro --device cpu --work-dir "$work" --out "$work/out"; }
-run stage0 --seed 100
+run stage0 --seed 100 --part 0/2
+run stage0 --seed 100 --part 1/2
 python bench/proof_v3.py stage0-report --out "$work/out"
 for task in S F control; do
   for seed in 0 1 2; do
