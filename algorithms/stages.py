@@ -10,7 +10,7 @@ per stage), so a copied or resumed member goes on in its parent's stage, at its 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
@@ -79,7 +79,9 @@ def stage_config(cfg: TaskConfig, stage: StageConfig) -> TaskConfig:
     )
 
 
-def load_staged(cfg: TaskConfig, base_dir: str | Path, seed: int, load_one) -> tuple:
+def load_staged(
+    cfg: TaskConfig, base_dir: str | Path, seed: int, load_one: Callable[..., Any]
+) -> tuple[StagedRows, list[Any], Any]:
     """Each stage loaded by ``load_one(stage_cfg, base_dir, seed) -> Task``: the staged training
     rows, every stage's held-out rows together (``eval_size`` each, so their mean is the mean
     over stages), and the first stage's reward (the same for all: the manifest's, or the one

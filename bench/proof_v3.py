@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,7 +265,9 @@ def best_of(directories: list[Path], splits: list[dict]) -> dict:
     return {"member": member_id, "eval": eval_fitness} | macro_accuracy(member, splits)
 
 
-def scheduled_run(one: dict, steps: int, splits: list[dict], values_at=None) -> dict:
+def scheduled_run(
+    one: dict, steps: int, splits: list[dict], values_at: Callable[[int], dict] | None = None
+) -> dict:
     """One member of manifest ``one`` trained ``steps`` steps in library mode (``Member``),
     ``values_at(step)`` (hyperparameters by name, or None) applied before each step; scored on
     the eval and test rows."""
