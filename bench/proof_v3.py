@@ -289,6 +289,27 @@ def scheduled_run(
     return {"eval": held, "member_steps": steps, "wall_s": wall} | scored
 
 
+def generation_seconds(directories: list[Path]) -> list[float]:
+    """Seconds from the first campaign's creation to each generation's commit (campaigns of one
+    strategy run side by side: the latest of them at each generation), the anytime curve's
+    time axis."""
+    import sqlite3
+    from datetime import datetime
+
+    from pbt.controller.store import STORE_FILENAME
+
+    by_generation: dict[int, float] = {}
+    for directory in directories:
+        db = sqlite3.connect(directory / STORE_FILENAME)
+        rows = dict(db.execute("SELECT generation, committed_at FROM generations"))
+        db.close()
+        start = datetime.fromisoformat(rows.pop(-1))
+        for generation, at in rows.items():
+            seconds = (datetime.fromisoformat(at) - start).total_seconds()
+            by_generation[generation] = max(by_generation.get(generation, 0.0), seconds)
+    return [by_generation[g] for g in sorted(by_generation)]
+
+
 def hand_schedule(m: dict, shape: Shape, seed: int, splits: list[dict], peak: float) -> dict:
     """The expert's run: the lr restarts at ``peak`` at each stage's first step and decays by a
     cosine to a tenth within the stage; temperature 1.0; library mode, one member."""
@@ -386,7 +407,11 @@ def run_seed(args: argparse.Namespace) -> dict:
         results["strategies"][s] = best_of(dirs, splits) | {
             "member_steps": steps,
             "wall_s": curve.wall_s,
-            "curve": {"member_steps": curve.steps, "best_eval": curve.reward},
+            "curve": {
+                "member_steps": curve.steps,
+                "best_eval": curve.reward,
+                "seconds": generation_seconds(dirs),
+            },
         }
     if "hand_schedule" in strategies:
         peak = grid_best["lr"] if grid_best else 3.0e-4

@@ -90,4 +90,5 @@ def test_a_dry_run_of_one_seed(tmp_path) -> None:
         assert len(r["by_difficulty"]) == 3 and 0 <= r["macro"] <= 1
     curve = strategies["mfpbt"]["curve"]
     assert curve["member_steps"][-1] == micro.slots * micro.steps
-    assert len(curve["best_eval"]) == micro.steps // micro.evo_steps
+    assert len(curve["best_eval"]) == len(curve["seconds"]) == micro.steps // micro.evo_steps
+    assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] > 0
