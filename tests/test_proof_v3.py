@@ -92,3 +92,28 @@ def test_a_dry_run_of_one_seed(tmp_path) -> None:
     assert curve["member_steps"][-1] == micro.slots * micro.steps
     assert len(curve["best_eval"]) == len(curve["seconds"]) == micro.steps // micro.evo_steps
     assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] > 0
+
+
+@pytest.mark.integration
+def test_the_best_members_trajectory_is_one_value_set_per_generation(tmp_path) -> None:
+    """The schedule replay's input, read from a real campaign's store (the fake member)."""
+    from support import write_manifest
+    from test_explore import FAKE, MANIFEST, _members
+
+    from pbt.controller.campaign import Campaign
+
+    path = write_manifest(tmp_path / "m.yaml", MANIFEST)
+    campaign = Campaign.start(path, tmp_path / "pbt-0", member_command=FAKE)
+    campaign.say = lambda *_: None
+    campaign.run()
+    campaign.close()
+    chain = proof_v3.trajectory(tmp_path / "pbt-0")
+    members = {m.member_id: m for m in _members(tmp_path / "pbt-0")}
+    best = max(members.values(), key=lambda m: m.fitness_history[-1])
+    assert len(chain) == best.generation + 1
+    assert chain[-1] == best.hyperparameters
+    record, expected = best, []
+    while record is not None:
+        expected.append(record.hyperparameters)
+        record = members.get(record.parent_id) if record.parent_id else None
+    assert chain == expected[::-1] and len(chain) == 5  # the best is of the last generation
