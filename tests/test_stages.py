@@ -196,3 +196,22 @@ def test_a_campaigns_copies_read_on_in_their_parents_stage(tmp_path) -> None:
             assert m.parent_id is not None and m.steps == 4
             assert data["stage"] == 1 and data["stages"][0] == [0, 6]
             assert positions[m.parent_id]["stages"][0] == [0, 4]
+
+
+def test_pbt_check_reads_each_stages_files(tmp_path, capsys) -> None:
+    from pbt.cli.main import main
+
+    task = _files(tmp_path)
+    task.pop("name")
+    sections = {
+        "model": {"name": "builtin:tiny"},
+        "task": task,
+        "training": {"device": "cpu"},
+    }
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    assert main(["check", str(path)]) == 0
+    task["stages"][1]["train"] = "missing.jsonl"
+    path.write_text(yaml.safe_dump(sections))
+    assert main(["check", str(path)]) == 2
+    assert "task.stages[1].train ('missing.jsonl') not found" in capsys.readouterr().err
