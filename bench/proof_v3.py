@@ -679,6 +679,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         raise SystemExit(f"--strategies ({sorted(unknown)}) must be of {', '.join(STRATEGIES)}")
+    if args.command in ("seed", "replay") and not args.grid and "grid_fixed" in args.strategies:
+        raise SystemExit(
+            f"{args.command} needs Stage 0's choice for grid_fixed: pass --grid <out>/stage0.json "
+            "(from stage0-report), or leave grid_fixed out of --strategies"
+        )
     commands = {
         "seed": run_seed,
         "stage0": stage0,
