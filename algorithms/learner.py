@@ -153,7 +153,10 @@ class Learner:
         so the global batch does not depend on the world size.
         """
         count = min(self.algorithm.prompts_per_step, len(train))
-        order = self.data.take(len(train), count)
+        if hasattr(train, "stage_at"):  # a curriculum (task.stages): the step picks the stage
+            order = self.data.take_staged(train, self.step, count)
+        else:
+            order = self.data.take(len(train), count)
         share = count // self.world_size
         return [train[i] for i in order[self.rank * share : (self.rank + 1) * share]]
 

@@ -62,6 +62,93 @@ def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 10_0
     return mean, float(ci.low), float(ci.high)
 
 
+def paired_t_interval(differences: list[float], level: float = 0.95) -> tuple:
+    """Mean of paired ``differences`` and its Student-t confidence interval (n - 1 degrees of
+    freedom); one difference, or all equal, is its own interval."""
+    from scipy.stats import t as student
+
+    n = len(differences)
+    mean = statistics.fmean(differences)
+    if n < 2 or len(set(differences)) == 1:
+        return mean, mean, mean
+    half = student.ppf(0.5 + level / 2, n - 1) * statistics.stdev(differences) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def wilcoxon_p(differences: list[float]) -> float:
+    """Two-sided p of the Wilcoxon signed-rank test of paired ``differences`` (zeros dropped):
+    ``scipy.stats.wilcoxon`` (exact for small samples) where scipy is installed, else the exact
+    null distribution by enumerating every sign pattern of the ranks (mid-ranks for ties)."""
+    nonzero = [d for d in differences if d != 0]
+    if not nonzero:
+        return 1.0
+    try:
+        from scipy.stats import wilcoxon
+    except ImportError:
+        return _exact_wilcoxon(nonzero)
+    return float(wilcoxon(nonzero, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+def _exact_wilcoxon(nonzero: list[float]) -> float:
+    import itertools
+
+    order = sorted(range(len(nonzero)), key=lambda i: abs(nonzero[i]))
+    ranks = [0.0] * len(nonzero)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and abs(nonzero[order[j + 1]]) == abs(nonzero[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    observed = sum(r for r, d in zip(ranks, nonzero, strict=True) if d > 0)
+    centre = sum(ranks) / 2
+    patterns = list(itertools.product((0, 1), repeat=len(ranks)))
+    extreme = sum(
+        abs(sum(r for r, s in zip(ranks, signs, strict=True) if s) - centre)
+        >= abs(observed - centre) - 1e-12
+        for signs in patterns
+    )
+    return extreme / len(patterns)
+
+
+def wins_ties_losses(differences: list[float], tie: float = 0.0) -> tuple[int, int, int]:
+    """How many paired differences are above ``tie``, within it, and below ``-tie``."""
+    wins = sum(d > tie for d in differences)
+    losses = sum(d < -tie for d in differences)
+    return wins, len(differences) - wins - losses, losses
+
+
+def holm(p_values: dict[str, float]) -> dict[str, float]:
+    """Holm-adjusted p values of a family of tests (step-down, monotone, capped at 1)."""
+    ordered = sorted(p_values, key=lambda k: p_values[k])
+    adjusted, running = {}, 0.0
+    for i, key in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - i) * p_values[key]))
+        adjusted[key] = running
+    return adjusted
+
+
+def paired_comparison(ours: dict[int, float], theirs: dict[int, float]) -> dict:
+    """The pre-registered figures of one comparison over the seeds both have: mean difference,
+    paired t 95% interval, Wilcoxon p, wins / ties / losses."""
+    seeds = sorted(set(ours) & set(theirs))
+    diffs = [ours[s] - theirs[s] for s in seeds]
+    if not diffs:
+        return {"seeds": [], "n": 0}
+    mean, low, high = paired_t_interval(diffs)
+    return {
+        "seeds": seeds,
+        "n": len(diffs),
+        "differences": diffs,
+        "mean": mean,
+        "t95": [low, high],
+        "wilcoxon_p": wilcoxon_p(diffs),
+        "wins_ties_losses": list(wins_ties_losses(diffs)),
+    }
+
+
 def summarize(curves: list[Curve], task: str, target: float) -> dict:
     """The task's figures: per strategy the test reward's mean and CI over seeds, compute to
     the target, wall; per other strategy the paired difference PBT minus it with its CI."""

@@ -345,14 +345,17 @@ def _drop_shared(
 
 
 def check_rows(cfg: TaskConfig, base_dir: str | Path, algorithm: str) -> list[str]:
-    """Problems with the first rows of ``task.train`` and ``task.eval``: unreadable, empty, a
-    missing field or a template naming an unknown one. Hub datasets are not read here."""
+    """Problems with the first rows of ``task.train`` and ``task.eval`` (and of each stage's):
+    unreadable, empty, a missing field or a template naming an unknown one. Hub datasets are
+    not read here."""
     problems: list[str] = []
-    for key in ("train", "eval"):
-        source = getattr(cfg, key)
+    named = [(f"task.{key}", getattr(cfg, key)) for key in ("train", "eval")]
+    for i, stage in enumerate(cfg.stages):  # a curriculum: each stage's own files
+        named += [(f"task.stages[{i}].{key}", getattr(stage, key)) for key in ("train", "eval")]
+    for key, source in named:
         if source is None or source.startswith(HUB_PREFIX):
             continue
-        where = f"task.{key} ({source!r})"
+        where = f"{key} ({source!r})"
         try:
             found = preview_fields(Path(base_dir) / source, where)
             check_fields(found, required_fields(cfg, algorithm), where)

@@ -40,6 +40,7 @@ from pbt.algorithms.data.rewards import (
     build_reward,
     check_reward_terms,
 )
+from pbt.algorithms.data.stages import load_staged
 from pbt.config import RL_ALGORITHMS, TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.task import REASONING_GYM_PREFIX
@@ -72,6 +73,8 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         ConfigError: unknown task, too few distinct prompts, unreadable rows, or a bad reward
             reference.
     """
+    if cfg.stages:
+        return Task(cfg.source, *load_staged(cfg, base_dir, seed, load_task))
     if cfg.train is not None:
         return _file_task(cfg, base_dir, seed)
     if cfg.source.startswith(REASONING_GYM_PREFIX):

@@ -53,7 +53,7 @@ def _check(args: argparse.Namespace) -> int:
     stderr (problems: one line each, exit 2); with ``--resolved``, the configuration it
     resolves to, in canonical form, as YAML on stdout."""
     manifest = with_environment(load_manifest(args.manifest))
-    if manifest.task.train is not None:
+    if manifest.task.train is not None or any(s.train for s in manifest.task.stages):
         _check_rows(manifest)
     _check_rewards(manifest)
     if args.resolved:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -21,10 +22,12 @@ class PopulationConfig:
     """The population of a campaign and how it is selected."""
 
     size: PositiveInt = 4
-    selection: Literal["tournament", "truncation"] = "tournament"
+    selection: Literal["tournament", "truncation", "multi_frequency"] = "tournament"
     """``tournament``: every slot but the elite's is the winner of a tournament (AgileRL's).
     ``truncation``: the bottom ``truncation_fraction`` copy members of the top one and mutate;
-    the rest continue unchanged (the original PBT's exploit)."""
+    the rest continue unchanged (the original PBT's exploit). ``multi_frequency``: groups of
+    slots evolve at different frequencies and migrate into each other (multiple-frequencies
+    PBT, as AgileRL ships it)."""
     truncation_fraction: float = 0.25
     exploit_gap: float = 0.0
     """Truncation: a bottom member is replaced only when its new parent's fitness is more than
@@ -32,6 +35,14 @@ class PopulationConfig:
     ready_generations: Count = 0
     """Truncation: nobody is replaced before the population has trained this many generations
     (a burn-in: slow starters are not cut early); a collapsed or unevaluated member still is."""
+    subpopulations: int = 2
+    """Multi-frequency: the number of groups, of ``size / subpopulations`` slots each."""
+    frequencies: list[int] | None = None
+    """Multi-frequency: generations between two evolutions of each group, strictly increasing
+    (default ``1, 5, 10, ...``)."""
+    brackets: list[int] | None = None
+    """Multi-frequency: ``[winners, survivors, open, losers]`` of a group, summing to its size
+    (default a quarter winners, no survivors, a quarter open to migrants, the rest losers)."""
     tournament_size: int = 2
     elitism: bool = True
     """Keep the best member unchanged into the next generation (tournament)."""
@@ -60,6 +71,10 @@ class PopulationConfig:
             problems += truncation_problems(
                 self.truncation_fraction, self.exploit_gap, self.ready_generations
             )
+        if self.selection == "multi_frequency":
+            problems += multi_frequency_problems(
+                self.size, self.subpopulations, self.frequencies, self.brackets
+            )
         return problems
 
 
@@ -74,6 +89,12 @@ class MutationConfig:
     mutate_elite: bool = False
     resample_probability: float = 0.0
     """Chance that a changed hyperparameter is drawn afresh from its range instead of scaled."""
+    perturb: Literal["one", "all"] = "one"
+    """``one``: a mutated child changes one hyperparameter, drawn uniformly (AgileRL's).
+    ``all``: every searched hyperparameter changes at once (the original PBT's explore; with
+    ``no_mutation: 0`` every copy is explored)."""
+    perturb_survivors: bool = False
+    """Truncation selection: also mutate the members that continue their own lineage."""
     ranges: dict[str, dict[str, object]] = field(
         default_factory=lambda: {"lr": {"min": 1e-6, "max": 1e-2, "log": True}}
     )
@@ -402,3 +423,58 @@ def truncation_problems(fraction: float, min_gap: float, ready: int = 0) -> list
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolved_frequencies(frequencies: list[int] | None, groups: int) -> list[int]:
+    """``population.frequencies`` or its default, ``1, 5, 10, ...`` for ``groups`` groups."""
+    return list(frequencies) if frequencies else [1] + [5 * i for i in range(1, groups)]
+
+
+def resolved_brackets(brackets: list[int] | None, group_size: int) -> list[int]:
+    """``population.brackets`` or its default for groups of ``group_size``: a quarter winners,
+    no survivors, a quarter open to migrants, the rest losers."""
+    if brackets:
+        return list(brackets)
+    winners = opened = round(0.25 * group_size)
+    return [winners, 0, opened, group_size - winners - opened]
+
+
+def multi_frequency_problems(
+    size: int, groups: object, frequencies: object, brackets: object
+) -> list[str]:
+    """The rules of multi-frequency selection, each naming its ``population.`` key."""
+    if not is_int(groups) or groups < 2:
+        return [
+            f"population.subpopulations ({groups!r}) must be an integer >= 2 (migration needs "
+            "another group); set subpopulations: 2"
+        ]
+    if size % groups or size // groups < 3:
+        return [
+            f"population.size ({size}) must be a multiple of subpopulations ({groups}) with at "
+            "least 3 members a group (a winner, an open slot, a loser); set size to "
+            f"{3 * groups} or more, a multiple of {groups}"
+        ]
+    problems = []
+    listed = isinstance(frequencies, list | tuple)
+    freq = resolved_frequencies(frequencies if listed else None, groups)  # type: ignore[arg-type]
+    if frequencies is not None and not listed:
+        freq = []
+    ok = all(is_int(f) and f >= 1 for f in freq) and len(freq) == groups
+    if not ok or any(a >= b for a, b in itertools.pairwise(freq)):
+        problems.append(
+            f"population.frequencies ({frequencies!r}) must be {groups} strictly increasing "
+            f"integers >= 1, one per group; e.g. {resolved_frequencies(None, groups)}"
+        )
+    group = size // groups
+    listed = isinstance(brackets, list | tuple)
+    sizes = resolved_brackets(brackets if listed else None, group)  # type: ignore[arg-type]
+    if brackets is not None and not listed:
+        sizes = []
+    ok = len(sizes) == 4 and all(is_int(n) and n >= 0 for n in sizes)
+    if not ok or sum(sizes) != group or min(sizes[0], sizes[2], sizes[3]) < 1:  # ok first
+        problems.append(
+            f"population.brackets ({brackets!r}) must be [winners, survivors, open, losers], "
+            f"integers summing to the group size ({group}) with at least one winner, one open "
+            f"slot and one loser; e.g. {resolved_brackets(None, group)}"
+        )
+    return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,35 @@ class RewardRef:
         return []
 
 
+@dataclass(kw_only=True, slots=True)
+class StageConfig:
+    """One stage of a curriculum (``task.stages``): where its rows come from, named as a task's
+    rows are, and the step it ends at."""
+
+    until_step: Annotated[int, above_zero("give the step the stage ends at")] | None = None
+    """The member's step count at which the next stage begins; null only for the last stage
+    (it runs to the end)."""
+    name: str | None = None
+    """A built-in or ``reasoning_gym:<dataset>`` task, as ``task.name``."""
+    train: str | None = None
+    """The user's rows, as ``task.train``."""
+    eval: str | None = None
+    """Held-out rows for the user's own ``train``, as ``task.eval``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """reasoning-gym options of this stage (default ``task.options``)."""
+    train_size: Annotated[int, above_zero("or null for the task's")] | None = None
+    """Training rows of this stage (default ``task.train_size``)."""
+
+    def check(self, prefix: str) -> list[str]:
+        problems = bound_problems(self, prefix)
+        if (self.name is None) == (self.train is None):
+            problems.append(
+                f"{prefix} must name its rows with exactly one of name (a built-in or "
+                "reasoning_gym: task) and train (your own file); give one"
+            )
+        return problems
+
+
 BUILTIN_TASKS = ("builtin:letters", "builtin:arithmetic", "builtin:addition")
 """The procedural tasks shipped with the package (no files, no downloads)."""
 REASONING_GYM_PREFIX = "reasoning_gym:"
@@ -150,11 +180,20 @@ class TaskConfig:
     reasoning-gym task (a small built-in task may have fewer)."""
     eval_size: PositiveInt = 64
     """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
-    eval split, the same for every member)."""
+    eval split, the same for every member). With ``stages``: per stage."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """A curriculum: the training rows move from one stage's rows to the next as the member's
+    step count passes each ``until_step``; fitness is measured on every stage's held-out rows
+    together. Replaces ``name`` and ``train``."""
+    replay: float = 0.0
+    """With ``stages``: the share of each step's prompts drawn from the earlier stages' rows."""
 
     @property
     def source(self) -> str:
-        """Where the rows come from: the task's name, or the ``train`` path."""
+        """Where the rows come from: the task's name, or the ``train`` path (each stage's,
+        joined by ``" -> "``, for a curriculum)."""
+        if self.stages:
+            return " -> ".join(str(stage.name or stage.train) for stage in self.stages)
         if self.train is not None:
             return self.train
         return self.name or DEFAULT_TASK
@@ -180,7 +219,7 @@ class TaskConfig:
                 f"{prefix}.assistant_prefill ('') is empty; give the text that starts the reply, "
                 "or null for none"
             )
-        problems += self._check_source(prefix)
+        problems += self._check_source(prefix) if not self.stages else self._check_stages(prefix)
         if self.reward is not None and self.rewards:
             problems.append(
                 f"{prefix}.reward and {prefix}.rewards are both set; give one reward as reward, "
@@ -192,7 +231,43 @@ class TaskConfig:
             problems += ref.check(f"{prefix}.rewards[{i}]")
         return problems
 
+    def _check_stages(self, prefix: str) -> list[str]:
+        problems = []
+        if self.name is not None or self.train is not None:
+            problems.append(
+                f"{prefix}.stages replaces {prefix}.name and {prefix}.train (each stage names its "
+                "rows); move them into the stages"
+            )
+        for i, stage in enumerate(self.stages):
+            problems += stage.check(f"{prefix}.stages[{i}]")
+        ends = [stage.until_step for stage in self.stages]
+        if any(end is None for end in ends[:-1]) or any(
+            a is not None and b is not None and a >= b for a, b in itertools.pairwise(ends)
+        ):
+            problems.append(
+                f"{prefix}.stages until_step ({ends}) must rise from stage to stage, and only the "
+                "last may be null; give each stage but the last the step it ends at"
+            )
+        names = {stage.name for stage in self.stages}
+        if not self.reward_refs() and (len(names) > 1 or None in names):
+            problems.append(
+                f"{prefix}.stages take their rows from {len(names)} sources ({sorted(map(str, names))}) "
+                f"with no {prefix}.reward: stages of your own files, or of different tasks, need "
+                "one reward for all; add task.reward"
+            )
+        if not (isinstance(self.replay, int | float) and 0 <= self.replay < 1):
+            problems.append(
+                f"{prefix}.replay ({self.replay!r}) must be in [0, 1): the share of a step's prompts "
+                "drawn from earlier stages; use 0.2"
+            )
+        return problems
+
     def _check_source(self, prefix: str) -> list[str]:
+        if self.replay:
+            return [
+                f"{prefix}.replay ({self.replay}) replays earlier stages, but there are no "
+                f"{prefix}.stages; add stages or remove replay"
+            ]
         name = self.name
         if self.train is not None and name is not None and not name.startswith("builtin:"):
             return [

@@ -10,6 +10,7 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.ranges import base_hyperparameters, batch_rule, hp_ranges, keep_batch_rule
+from pbt.evolution.multi_frequency import MultiFrequencySelection
 from pbt.evolution.mutation import Mutations
 from pbt.evolution.pb2 import PB2Explore, observations
 from pbt.evolution.search import sample_initial
@@ -17,9 +18,16 @@ from pbt.evolution.selection import Selected, TournamentSelection, TruncationSel
 from pbt.protocol.records import MemberRecord, member_id
 
 
-def build_selection(manifest: Manifest) -> TournamentSelection | TruncationSelection:
-    """Tournament or truncation selection as the manifest's population section says."""
+def build_selection(
+    manifest: Manifest,
+) -> TournamentSelection | TruncationSelection | MultiFrequencySelection:
+    """Tournament, truncation or multi-frequency selection as the manifest's population
+    section says."""
     pop = manifest.population
+    if pop.selection == "multi_frequency":
+        return MultiFrequencySelection(
+            pop.size, pop.subpopulations, pop.frequencies, pop.brackets, pop.fitness_window
+        )
     if pop.selection == "truncation":
         return TruncationSelection(
             pop.truncation_fraction,
@@ -37,7 +45,8 @@ def build_mutations(manifest: Manifest, ranks: int | None = None) -> Mutations:
     mut = manifest.mutation
     return Mutations(
         hp_ranges(manifest), mut.no_mutation, mut.rl_hp, mut.mutate_elite,
-        mut.resample_probability, rule=batch_rule(manifest, ranks),
+        mut.resample_probability, rule=batch_rule(manifest, ranks), perturb=mut.perturb,
+        perturb_survivors=mut.perturb_survivors,
     )  # fmt: skip
 
 
@@ -124,7 +133,9 @@ def breed(
     """
     if mutations is None:
         mutated = [
-            (
+            (dict(s.hyperparameters), s.how or "none")
+            if s.hyperparameters is not None
+            else (
                 dict(s.parent.hyperparameters),
                 "none (elite)" if s.is_elite else ("none (survivor)" if s.survivor else "none"),
             )

@@ -1,8 +1,12 @@
-"""Mutation of a selected parent's hyperparameters, with AgileRL semantics.
+"""Mutation of a selected parent's hyperparameters, with AgileRL semantics by default.
 
 Each child either keeps its parent's hyperparameters ("none") or has one RL hyperparameter
 perturbed ("rl_hp"), chosen with probabilities proportional to ``no_mutation`` and ``rl_hp``
-(so ``no_mutation=1, rl_hp=0.6`` still mutates 0.6/1.6 of the time). A perturbation multiplies
+(so ``no_mutation=1, rl_hp=0.6`` still mutates 0.6/1.6 of the time). With ``perturb="all"``
+a mutated child has every searched hyperparameter perturbed at once, in name order (the
+explore of the original PBT, Jaderberg et al. 2017, with ``no_mutation=0``); with
+``perturb_survivors`` a survivor of truncation selection is explored too, not only the copies
+(its lineage goes on with the changed values). A perturbation multiplies
 the value by ``grow_factor`` or ``shrink_factor`` (even odds) or, with probability
 ``resample_probability``, draws a fresh value from the range; the result is clipped to the
 range and cast to its dtype. Architecture mutations are not supported: the model is fixed.
@@ -36,6 +40,8 @@ class Mutations:
         resample_probability: Chance a perturbation draws a fresh value instead of scaling.
         rule: The batch rules a child's hyperparameters must keep
             (:func:`~pbt.config.ranges.batch_rule`); None checks none.
+        perturb: ``"one"`` hyperparameter of a mutated child, drawn uniformly, or ``"all"``.
+        perturb_survivors: Whether a survivor of truncation selection is mutated too.
 
     Raises:
         ConfigError: Listing every argument that breaks a rule.
@@ -50,8 +56,11 @@ class Mutations:
         resample_probability: float = 0.0,
         *,
         rule: BatchRule | None = None,
+        perturb: str = "one",
+        perturb_survivors: bool = False,
     ) -> None:
         problems = mutation_problems(ranges, no_mutation, rl_hp, resample_probability)
+        problems += explore_problems(perturb, perturb_survivors)
         if problems:
             raise ConfigError(problems)
         self.ranges = {name: typed_range(name, spec) for name, spec in ranges.items()}
@@ -60,6 +69,8 @@ class Mutations:
         self.rl_hp = rl_hp
         self.mutate_elite = mutate_elite
         self.resample_probability = resample_probability
+        self.perturb = perturb
+        self.perturb_survivors = perturb_survivors
 
     def mutate(
         self,
@@ -78,7 +89,8 @@ class Mutations:
 
         Returns:
             A new dict, and ``"none"``, ``"none (elite)"``, ``"lr x1.2 (0.001 -> 0.0012)"``
-            or ``"lr resampled (0.001 -> 0.0004)"``.
+            or ``"lr resampled (0.001 -> 0.0004)"``; under ``perturb="all"`` one such part per
+            hyperparameter, joined by ``"; "``.
 
         Raises:
             ConfigError: When an rl_hp mutation finds none of ``ranges`` in the parent's values.
@@ -88,20 +100,30 @@ class Mutations:
             return child, "none (elite)"
         if rng.random() * (self.no_mutation + self.rl_hp) < self.no_mutation:
             return child, "none"
-        name = rng.choice(self._mutable_names(child))
-        return child, self._perturb(child, name, rng, rule or self.rule)
+        names = self._mutable_names(child)
+        if self.perturb == "all":
+            return child, "; ".join(self._perturb(child, n, rng, rule or self.rule) for n in names)
+        return child, self._perturb(child, rng.choice(names), rng, rule or self.rule)
 
     def mutate_population(
         self, selected: list[Selected], rng: random.Random
     ) -> list[tuple[dict[str, float], str]]:
         """:meth:`mutate` applied to each selected parent, in order, with its elite flag; a
-        survivor of truncation selection keeps its values (``"none (survivor)"``)."""
-        return [
-            (dict(s.parent.hyperparameters), "none (survivor)")
-            if s.survivor
-            else self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite)
-            for s in selected
-        ]
+        survivor of truncation selection keeps its values (``"none (survivor)"``) unless
+        ``perturb_survivors`` (then its description ends ``" (survivor)"``); a migrant of
+        multi-frequency selection takes the values and description its selection set."""
+        out = []
+        for s in selected:
+            if s.hyperparameters is not None:
+                out.append((dict(s.hyperparameters), s.how or "none (migrant)"))
+            elif s.survivor and not self.perturb_survivors:
+                out.append((dict(s.parent.hyperparameters), "none (survivor)"))
+            elif s.survivor:
+                values, how = self.mutate(s.parent.hyperparameters, rng)
+                out.append((values, f"{how} (survivor)"))
+            else:
+                out.append(self.mutate(s.parent.hyperparameters, rng, is_elite=s.is_elite))
+        return out
 
     def _mutable_names(self, hyperparameters: dict[str, float]) -> list[str]:
         names = sorted(name for name in self.ranges if name in hyperparameters)
@@ -132,3 +154,19 @@ class Mutations:
         else:
             child[name] = spec.clip_cast(raw)
         return f"{name} {how} ({old:.6g} -> {child[name]:.6g})"
+
+
+def explore_problems(perturb: object, perturb_survivors: object) -> list[str]:
+    """The rules of ``mutation.perturb`` and ``mutation.perturb_survivors``."""
+    problems = []
+    if perturb not in ("one", "all"):
+        problems.append(
+            f"mutation.perturb ({perturb!r}) must be 'one' or 'all'; use all for the original "
+            "PBT's explore (every searched hyperparameter of a copy perturbed)"
+        )
+    if not isinstance(perturb_survivors, bool):
+        problems.append(
+            f"mutation.perturb_survivors ({perturb_survivors!r}) must be true or false; set a "
+            "boolean"
+        )
+    return problems

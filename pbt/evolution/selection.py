@@ -42,6 +42,11 @@ class Selected:
     """True for the elite slot, which mutation leaves alone unless told otherwise."""
     survivor: bool = False
     """Truncation selection: the member continues its own lineage, unmutated."""
+    hyperparameters: dict[str, float] | None = None
+    """Set by a selection that decides the child's values itself (a migrant of multi-frequency
+    selection): the child takes these, unmutated."""
+    how: str | None = None
+    """The child's description when ``hyperparameters`` is set."""
 
 
 class TournamentSelection:
