@@ -30,6 +30,7 @@ from pbt.algorithms.models import (
     resolve_model_path,
     set_mixed_precision,
 )
+from pbt.algorithms.rollout.dedicated import dedicated_rollouts
 from pbt.algorithms.tasks import Task, load_task
 from pbt.config import RL_ALGORITHMS, Manifest
 from pbt.config.errors import CheckpointError
@@ -94,6 +95,9 @@ class Host:
         from (this rank's shards under FSDP2)."""
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
+        self.rollout_engine = None
+        """This rank's dedicated rollout engine process (``launch.rollout_gpus_per_member``),
+        started by the first member that trains here (:mod:`pbt.algorithms.rollout.dedicated`)."""
         self.engine = None
         if manifest.rollout.engine == "vllm":
             from pbt.algorithms.rollout.vllm import VLLMRollout
@@ -225,6 +229,12 @@ class Member:
                 identical, so the update was skipped) is explained, once, as ``step N: <why,
                 and what to change>``, and where a collapse is announced; None says nothing.
         """
+        with dedicated_rollouts(self.host, self.learner, self.member_id):
+            return self._train(steps, on_step, say)
+
+    def _train(
+        self, steps: int, on_step: StepCallback | None, say: Callable[[str], None] | None
+    ) -> list[dict[str, float]]:
         history = []
         for _ in range(steps):
             metrics = self.train_step()
