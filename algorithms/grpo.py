@@ -71,7 +71,7 @@ class GRPO(Learner):
             f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  loss {m['loss']:+.4f}  "
             f"kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
             f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}"
+            f"{m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}{engine_note(m)}"
         )
 
     # -- one training step -----------------------------------------------------------------
@@ -453,6 +453,16 @@ def term_means(names: list[str], terms: Tensor) -> dict[str, float]:
     sums = all_reduce([*terms.sum(dim=0).tolist(), float(len(terms))])
     count = max(sums[-1], 1.0)
     return {f"reward/{name}": value / count for name, value in zip(names, sums, strict=False)}
+
+
+def engine_note(metrics: dict[str, float]) -> str:
+    """``"  engine v12, 1 behind, 8 stale rows dropped"`` for a progress line when a dedicated
+    engine sampled the step, or nothing."""
+    if "engine_version" not in metrics:
+        return ""
+    dropped = metrics.get("stale_dropped", 0.0)
+    note = f"  engine v{metrics['engine_version']:.0f}, {metrics['rollout_staleness']:.0f} behind"
+    return note + (f", {dropped:.0f} stale rows dropped" if dropped else "")
 
 
 def identical_groups(batch: RolloutBatch, group_size: int) -> Tensor:

@@ -195,6 +195,8 @@ def test_the_arena_manifest_runs_and_resumes_after_a_controller_sigkill(tmp_path
         env=env, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (straight / "logs").glob("*.log"))
+    assert "engine v" in logs and " behind" in logs  # the members sampled on their engines
     killed = tmp_path / "killed"
     proc = subprocess.run(
         [*pbt, "run", str(FIXTURE), "--dir", str(killed)], capture_output=True, text=True,

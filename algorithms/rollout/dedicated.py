@@ -140,8 +140,10 @@ class DedicatedRollouts:
 
     @property
     def lockstep(self) -> bool:
-        """Whether every batch is drawn with the current adapter from the member's stream."""
-        return self.max_staleness == 0
+        """Whether every batch is drawn with the current adapter from the member's stream:
+        nothing is requested ahead (``max_staleness`` below one training step's optimizer
+        steps)."""
+        return self.ahead == 0
 
     # -- the session -----------------------------------------------------------------------
 
@@ -162,13 +164,11 @@ class DedicatedRollouts:
         self.arrived.clear()
         old = self.session
         self.engine.begin()  # a new session number: the engine skips the old requests
-        self.engine.send(Drain(old))
-        self._guarded(
-            lambda: self.engine.receive(
-                "the drain", lambda m: isinstance(m, Drained) and m.session == old
-            ),
-            "the drain",
-        )
+        self._guarded(functools.partial(self._drain, old), "the drain")
+
+    def _drain(self, session: int) -> None:
+        self.engine.send(Drain(session))
+        self.engine.receive("the drain", lambda m: isinstance(m, Drained) and m.session == session)
 
     def push(self, steps: int) -> None:
         """After a training step that took ``steps`` optimizer steps: send the new adapter."""

@@ -220,7 +220,8 @@ class EngineProcess:
         args = (self.spec, self.requests, self.adapters, self.replies, self.beat, self.session)
         self.process = ctx.Process(target=engine_main, args=args, daemon=True, name="pbt-rollout")
         self.process.start()
-        ready = self.receive("start", until=lambda m: isinstance(m, Ready))
+        # no heartbeat yet: the process imports torch and loads the model before it beats
+        ready = self.receive("start", until=lambda m: isinstance(m, Ready), beating=False)
         if ready.protocol != PROTOCOL:
             raise EngineFailure(
                 f"{self.describe()} speaks protocol {ready.protocol}, not {PROTOCOL}"
@@ -245,7 +246,7 @@ class EngineProcess:
     def send(self, msg: SampleRequest | Drain) -> None:
         self.requests.put(msg)
 
-    def receive(self, waiting_for: str, until=None) -> Any:
+    def receive(self, waiting_for: str, until=None, beating: bool = True) -> Any:
         """The next reply (the next one ``until`` accepts, others dropped).
 
         Raises:
@@ -256,7 +257,7 @@ class EngineProcess:
             try:
                 msg = self.replies.get(timeout=POLL_S)
             except queue.Empty:
-                self._check(waiting_for, deadline)
+                self._check(waiting_for, deadline, beating)
                 continue
             except Exception as err:  # a message torn by a dying process
                 raise EngineFailure(f"{self.describe()} sent a broken reply: {err}") from None
@@ -265,14 +266,14 @@ class EngineProcess:
             if until is None or until(msg):
                 return msg
 
-    def _check(self, waiting_for: str, deadline: float) -> None:
+    def _check(self, waiting_for: str, deadline: float, beating: bool) -> None:
         if not self.process.is_alive():
             raise EngineFailure(
                 f"{self.describe()} died (exit code {self.process.exitcode}) while the trainer "
                 f"waited for {waiting_for}"
             )
         silent = time.time() - self.beat.value
-        if silent > self.heartbeat_s:
+        if beating and silent > self.heartbeat_s:
             raise EngineFailure(
                 f"{self.describe()} is hung: no heartbeat for {silent:.0f} s "
                 f"(rollout.engine_heartbeat_s {self.heartbeat_s:g}) while the trainer waited "
