@@ -4,7 +4,7 @@
     python bench/real_model.py fetch        # once: SmolLM2-135M-Instruct into the cache
     python bench/async_rollouts.py --device cuda --mps          # one GPU, trainer + engine
     python bench/async_rollouts.py --model builtin:tiny --device cpu --steps 4 --eval-every 2 \\
-        --prompts 2 --group 4 --tokens 8 --eval-size 8            # the CPU dry run
+        --prompts 2 --group 4 --tokens 8 --eval-size 8 --task builtin:letters  # CPU dry run
 
 The manifest is ``configs/examples/real_model/train.yaml`` (GRPO on 2-digit addition, the
 static-cache engine) with the model, device, sizes and rollout settings of the command line.
@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=48, help="rollout.max_output_tokens")
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--engine", default=None, help="rollout.engine (default: manifest's)")
+    parser.add_argument("--task", default=None, help="task.name (default: builtin:addition)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mps", action="store_true", help="run the modes under a private MPS")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")
@@ -67,6 +68,8 @@ def manifest_for(args: argparse.Namespace, mode: str):
     if args.engine:
         data["rollout"]["engine"] = args.engine
     data["task"]["eval_size"] = args.eval_size
+    if args.task:
+        data["task"]["name"] = args.task
     data["training"].update(device=args.device, seed=args.seed, steps=args.steps)
     staleness = MODES[mode]
     if staleness is not None:
