@@ -33,6 +33,7 @@ from pbt.algorithms.data.tasks import Example
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
+from pbt.algorithms.rollout.dedicated import DedicatedRollouts, behaviour_weights
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate, sequence_logprobs
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
@@ -52,6 +53,9 @@ class GRPO(Learner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.objective = get_objective(self.objective_name(), self.algorithm.advantage_norm)
+        self.rollouts: DedicatedRollouts | None = None
+        """The session with the member's dedicated engine while one samples its training
+        batches (:mod:`pbt.algorithms.rollout.dedicated`); None: this process samples."""
 
     def objective_name(self) -> str:
         return self.algorithm.loss
@@ -67,7 +71,7 @@ class GRPO(Learner):
             f"reward {m['reward_mean']:.3f} ± {m['reward_std']:.3f}  loss {m['loss']:+.4f}  "
             f"kl {m['kl']:.4f}  clip {m['clip_fraction']:.2f}  "
             f"zero-signal {m['zero_signal_fraction']:.2f}  len {m['completion_length']:.1f}  "
-            f"{m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}"
+            f"{m['tokens_per_s']:.0f} tok/s{nonfinite_note(m)}{engine_note(m)}"
         )
 
     # -- one training step -----------------------------------------------------------------
@@ -139,7 +143,12 @@ class GRPO(Learner):
         self, examples: list[Example], reward: Reward
     ) -> tuple[RolloutBatch, Tensor, Tensor]:
         """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too."""
-        batch = self.complete([ex.chat for ex in examples])
+        return self._scored(examples, self.complete([ex.chat for ex in examples]), reward)
+
+    def _scored(
+        self, examples: list[Example], batch: RolloutBatch, reward: Reward
+    ) -> tuple[RolloutBatch, Tensor, Tensor]:
+        """``batch`` with its total rewards (overlong penalty included) and raw terms."""
         rewards, terms = self.score_terms(examples, batch, reward)
         algo = self.algorithm
         if algo.overlong_buffer > 0:
@@ -154,12 +163,17 @@ class GRPO(Learner):
         """Sample, score and learn from one batch; returns the step's metrics, each reward
         term's mean among them as ``reward/<name>``."""
         start = time.perf_counter()
-        if self.algorithm.dynamic_sampling:
+        if self.rollouts is not None:  # a dedicated engine sampled it
+            examples, batch, extra = self.rollouts.take(train)
+            batch, rewards, terms = self._scored(examples, batch, reward)
+        elif self.algorithm.dynamic_sampling:
             batch, rewards, terms, extra = self._dynamic_rollout(train, reward)
         else:
             batch, rewards, terms = self._rollout(self.sample_prompts(train), reward)
             extra = {}
         metrics = self.learn(batch, rewards) | extra | term_means(reward.names, terms)
+        if self.rollouts is not None:
+            self.rollouts.push(int(metrics.get("optimizer_steps", 0)))
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
@@ -297,12 +311,28 @@ class GRPO(Learner):
 
     def _importance_correct(self, per_token, trainer_old, part, mask, totals) -> Tensor:
         """``per_token`` weighted by the truncated importance weight of each token when the
-        sampler reported its log-probs (vLLM) and the correction is on; the weights' statistics
-        accumulate in ``totals``."""
+        sampler reported its log-probs (vLLM) and the correction is on, or of each row drawn
+        with an older adapter by a dedicated engine; the weights' statistics accumulate in
+        ``totals``."""
+        if self.rollouts is not None and part.logprobs is not None:
+            stale = part.versions < self.rollouts.version
+            if not bool(stale.any()):
+                return per_token  # drawn with the adapter being trained: weight 1
+            weight, capped = behaviour_weights(
+                self.objective.name, trainer_old, part.logprobs, stale.to(mask.device), mask,
+                self.rollouts.cap,
+            )  # fmt: skip
+            mask = mask * stale.to(mask.device).unsqueeze(1)
+            return self._weighted(per_token, weight, capped, trainer_old, part, mask, totals)
         cap = self.rollout_cfg.vllm.importance_cap
         if part.logprobs is None or cap <= 0:
             return per_token
         weight, capped = losses.truncated_importance_weights(trainer_old, part.logprobs, cap)
+        return self._weighted(per_token, weight, capped, trainer_old, part, mask, totals)
+
+    @staticmethod
+    def _weighted(per_token, weight, capped, trainer_old, part, mask, totals) -> Tensor:
+        """``per_token * weight``, the weights' statistics over ``mask`` added to ``totals``."""
         totals["is_weight"] += float((weight * mask).sum())
         totals["is_capped"] += float((capped.float() * mask).sum())
         totals["logprob_gap"] += float(((trainer_old - part.logprobs).abs() * mask).sum())
@@ -311,7 +341,8 @@ class GRPO(Learner):
 
     def _importance_metrics(self, batch: RolloutBatch, totals) -> dict[str, float]:
         """The importance correction's global statistics (a collective), when it ran."""
-        if batch.logprobs is None or self.rollout_cfg.vllm.importance_cap <= 0:
+        dedicated = self.rollouts is not None
+        if batch.logprobs is None or (not dedicated and self.rollout_cfg.vllm.importance_cap <= 0):
             return {}
         weight, capped, gap, tokens = all_reduce([totals[k] for k in IMPORTANCE_TOTALS])
         tokens = max(tokens, 1.0)
@@ -422,6 +453,16 @@ def term_means(names: list[str], terms: Tensor) -> dict[str, float]:
     sums = all_reduce([*terms.sum(dim=0).tolist(), float(len(terms))])
     count = max(sums[-1], 1.0)
     return {f"reward/{name}": value / count for name, value in zip(names, sums, strict=False)}
+
+
+def engine_note(metrics: dict[str, float]) -> str:
+    """``"  engine v12, 1 behind, 8 stale rows dropped"`` for a progress line when a dedicated
+    engine sampled the step, or nothing."""
+    if "engine_version" not in metrics:
+        return ""
+    dropped = metrics.get("stale_dropped", 0.0)
+    note = f"  engine v{metrics['engine_version']:.0f}, {metrics['rollout_staleness']:.0f} behind"
+    return note + (f", {dropped:.0f} stale rows dropped" if dropped else "")
 
 
 def identical_groups(batch: RolloutBatch, group_size: int) -> Tensor:

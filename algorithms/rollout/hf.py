@@ -40,6 +40,9 @@ class RolloutBatch:
     logprobs: Tensor | None = None
     """``[N, C]`` the sampler's log-probs of the completion tokens when it reports them (vLLM),
     for the importance-sampling correction; None from ``generate``."""
+    versions: Tensor | None = None
+    """``[N]`` int64 (on the CPU): the adapter version each row was drawn with, from a dedicated
+    engine (:mod:`pbt.algorithms.rollout.dedicated`); None when the trainer sampled itself."""
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -54,7 +57,12 @@ class RolloutBatch:
             self.completion_mask[index],
             [self.texts[i] for i in rows],
             None if self.logprobs is None else self.logprobs[index],
+            None if self.versions is None else self.versions[_cpu(index)],
         )
+
+
+def _cpu(index: Tensor | slice) -> Tensor | slice:
+    return index.cpu() if isinstance(index, Tensor) else index
 
 
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
@@ -80,6 +88,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         None
         if any(b.logprobs is None for b in batches)
         else torch.cat([right(b.logprobs, 0.0) for b in batches]),
+        None
+        if any(b.versions is None for b in batches)
+        else torch.cat([b.versions for b in batches]),
     )
 
 
@@ -390,6 +401,7 @@ def _trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
             batch.completion_mask[:, :keep],
             batch.texts,
             None if batch.logprobs is None else batch.logprobs[:, :keep],
+            batch.versions,
         ),
         right,
     )

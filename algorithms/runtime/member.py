@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from pbt.algorithms.data.tasks import Task, load_task
 from pbt.algorithms.learner import Learner, learner_class
+from pbt.algorithms.rollout.dedicated import dedicated_rollouts
 from pbt.algorithms.runtime.activations import checkpoint_blocks, offload_activations
 from pbt.algorithms.runtime.checkpoint import (
     adapter_config,
@@ -99,6 +100,9 @@ class Host:
         from (this rank's shards under FSDP2)."""
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
+        self.rollout_engine = None
+        """This rank's dedicated rollout engine process (``launch.rollout_gpus_per_member``),
+        started by the first member that trains here (:mod:`pbt.algorithms.rollout.dedicated`)."""
         self.engine = None
         if manifest.rollout.engine == "vllm":
             from pbt.algorithms.rollout.vllm import VLLMRollout
@@ -230,6 +234,12 @@ class Member:
                 identical, so the update was skipped) is explained, once, as ``step N: <why,
                 and what to change>``, and where a collapse is announced; None says nothing.
         """
+        with dedicated_rollouts(self.host, self.learner, self.member_id):
+            return self._train(steps, on_step, say)
+
+    def _train(
+        self, steps: int, on_step: StepCallback | None, say: Callable[[str], None] | None
+    ) -> list[dict[str, float]]:
         history = []
         for _ in range(steps):
             metrics = self.train_step()

@@ -317,13 +317,22 @@ RANGE_NAMES: dict[str, tuple[tuple[str, str | None], ...]] = {
 
 
 def _engines(value: Any) -> Outcome:
-    if value == 0:
-        return Outcome()
-    return Outcome(
-        problem="is refused: pbt-llm has no dedicated rollout engines; each member generates on "
-        "its own ranks. Use rollout.engine: vllm (colocated, with sleep mode) and "
-        "training.training_gpus_per_agent (launch.gpus_per_member), or set it to 0"
-    )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return Outcome(problem="must be a whole number >= 0 (0: colocated rollouts); e.g. 1")
+    return Outcome(sets=(("launch.rollout_gpus_per_member", value),))
+
+
+ROLLOUT_MODES = {"colocated": "sync", "sync": "sync", "async": "async"}
+"""Arena's ``rollout_mode`` values -> ``rollout.mode``."""
+
+
+def _rollout_mode(value: Any) -> Outcome:
+    if value not in ROLLOUT_MODES:
+        return Outcome(
+            problem=f"must be one of {', '.join(ROLLOUT_MODES)}; async samples on the member's "
+            "dedicated engines (rollout_engines_per_agent) while it trains"
+        )
+    return Outcome(sets=(("rollout.mode", ROLLOUT_MODES[value]),))
 
 
 TRAINING_RULES: dict[str, KeyRule] = {
@@ -343,12 +352,13 @@ TRAINING_RULES: dict[str, KeyRule] = {
         "prompts (groups) per step; a multiple of training_gpus_per_agent",
         "algorithm.prompts_per_step",
     ),
-    "ROLLOUT_ENGINES_PER_AGENT": KeyRule((), "0 only (refused otherwise)", _engines),
-    "ROLLOUT_MODE": _refuse_unless(
-        lambda v: v == "colocated",
-        "colocated only",
-        "is refused: rollouts here are colocated with training; "
-        "set colocated and use rollout.engine: vllm",
+    "ROLLOUT_ENGINES_PER_AGENT": KeyRule(
+        ("launch.rollout_gpus_per_member",),
+        "dedicated rollout engines per member (0: colocated)",
+        _engines,
+    ),
+    "ROLLOUT_MODE": KeyRule(
+        ("rollout.mode",), "colocated/sync, or async (samples ahead on the engines)", _rollout_mode
     ),
 }
 """The ``training:`` keys of AgileRL's manifest (uppercased), the Arena keys among them."""

@@ -275,6 +275,12 @@ class LaunchConfig:
     """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
     nproc_per_member: PositiveInt = 1
     """Ranks per member when ``gpus_per_member`` is 0 (CPU processes)."""
+    rollout_gpus_per_member: Count = 0
+    """Dedicated rollout engines of a member (AgileRL Arena's ``rollout_engines_per_agent``),
+    one per trainer rank or a multiple: processes that sample with the member's latest adapter
+    while it trains (``rollout.mode``). 0: the trainer samples itself (colocated). An engine
+    runs on its trainer rank's device as its own process (one GPU shared under MPS, or the
+    CPU); see docs/rollouts.md."""
     slots: PositiveInt = 1
     """Members trained at once; more wait in a queue."""
     gpu_ids: list[Count] | None = None

@@ -22,7 +22,7 @@ from pbt.config.campaign import (
     TrackingConfig,
 )
 from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
-from pbt.config.rollout import RolloutConfig
+from pbt.config.rollout import RolloutConfig, dedicated_problems
 from pbt.config.rules import shown
 from pbt.config.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.training import DistributedConfig, TrainingConfig
@@ -69,6 +69,7 @@ class Manifest:
             )
         if self.rollout.engine == "vllm":
             problems += self._check_vllm()
+        problems += dedicated_problems(self)
         if self.rollout.engine == "static" and fsdp:
             problems.append(
                 "rollout.engine ('static') captures the decode step of a whole model, which a "

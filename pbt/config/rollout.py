@@ -9,6 +9,7 @@ from pbt.config.model import Dtype
 from pbt.config.rules import (
     PositiveFloat,
     PositiveInt,
+    Seconds,
     above_zero,
     at_least_zero,
     bound_problems,
@@ -115,9 +116,32 @@ class RolloutConfig:
     """0 disables top-k filtering."""
     max_output_tokens: PositiveInt = 64
     min_output_tokens: int = 0
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: every training batch is sampled with the adapter being trained. ``async``:
+    the member's dedicated engines (``launch.rollout_gpus_per_member``) sample ahead while the
+    trainer steps, each sample tagged with the adapter version it was drawn with; see
+    ``max_staleness`` and docs/rollouts.md."""
+    max_staleness: Annotated[int, at_least_zero("0 trains exactly as sync; 1 to 4 is usual")] = 0
+    """With ``mode: async``: the most optimizer steps a sample's adapter may lag behind the
+    trainer's; older samples are dropped (counted in ``stale_dropped``), the rest corrected
+    by truncated importance weights. 0 waits for samples of the current adapter."""
+    staleness_cap: Annotated[float, above_zero("2.0 is usual")] = 2.0
+    """Cap of the truncated importance weight ``min(p_current / p_sampler, cap)`` of a sample
+    drawn with an older adapter (``mode: async``)."""
+    engine_timeout_s: Seconds = 600.0
+    """A dedicated engine that has not confirmed an adapter version, or returned a batch, this
+    long after it was asked is a failure (a version that never arrives is not waited for)."""
+    engine_heartbeat_s: Seconds = 30.0
+    """A dedicated engine whose heartbeat is older than this is hung: it is stopped, named, and
+    restarted once."""
 
     def check(self, prefix: str) -> list[str]:
         problems = bound_problems(self, prefix)
+        if self.mode == "sync" and self.max_staleness > 0:
+            problems.append(
+                f"{prefix}.max_staleness ({self.max_staleness}) needs {prefix}.mode: async "
+                "(sync samples with the current adapter only); set mode: async or max_staleness: 0"
+            )
         if not 0.0 < self.top_p <= 1.0:
             problems.append(f"{prefix}.top_p ({self.top_p}) must be in (0, 1]")
         if not 0 <= self.min_output_tokens <= self.max_output_tokens:
@@ -130,3 +154,49 @@ class RolloutConfig:
         else:  # unused until the engine is vllm, but its sizes are checked all the same
             problems += bound_problems(self.vllm, f"{prefix}.vllm")
         return problems
+
+
+DEDICATED_ENGINES = ("hf", "static")
+"""Engines a dedicated rollout process can run (vLLM is colocated, one per training process)."""
+
+
+def dedicated_problems(manifest) -> list[str]:
+    """Dedicated engines and asynchronous rollouts against the rest of a manifest: what the
+    member trains, which engine samples, and the ranks it runs on."""
+    rollout, engines = manifest.rollout, manifest.launch.rollout_gpus_per_member
+    if engines == 0:
+        if rollout.mode == "async":
+            return [
+                "rollout.mode (async) samples on dedicated engines, but "
+                "launch.rollout_gpus_per_member is 0 (colocated); set it to 1"
+            ]
+        return []
+    problems = []
+    if manifest.algorithm.name not in ("GRPO", "REINFORCE"):
+        problems.append(
+            f"launch.rollout_gpus_per_member ({engines}) serves the GRPO family's rollouts, but "
+            f"algorithm.name is {manifest.algorithm.name!r}; use GRPO or REINFORCE, or set it to 0"
+        )
+    if rollout.engine not in DEDICATED_ENGINES:
+        problems.append(
+            f"rollout.engine ({rollout.engine!r}) runs colocated with training; a dedicated "
+            "engine (launch.rollout_gpus_per_member > 0) runs hf or static: set engine: hf"
+        )
+    if manifest.algorithm.dynamic_sampling:
+        problems.append(
+            "algorithm.dynamic_sampling (true) draws more prompts mid-step, which a dedicated "
+            "engine's queue does not; set dynamic_sampling: false or rollout_gpus_per_member: 0"
+        )
+    if manifest.distributed.fsdp:
+        problems.append(
+            "distributed.fsdp shards the adapter over the ranks, which a dedicated engine "
+            "(launch.rollout_gpus_per_member > 0) does not gather yet; use data parallel "
+            "members (fsdp: false) or rollout_gpus_per_member: 0"
+        )
+    ranks = manifest.launch.ranks
+    if engines % ranks:
+        problems.append(
+            f"launch.rollout_gpus_per_member ({engines}) gives each of the member's {ranks} "
+            f"ranks its own engine: make it a multiple of {ranks}"
+        )
+    return problems

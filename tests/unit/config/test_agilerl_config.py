@@ -272,8 +272,26 @@ def test_the_arena_keys() -> None:
     assert any(
         "rollout_batch_size (6) must be a multiple of" in p and "use 4" in p for p in problems
     )
-    assert any(p.startswith("training.rollout_engines_per_agent (2) is refused") and
-               "rollout.engine: vllm" in p for p in problems)  # fmt: skip
+    assert any(p.startswith("launch.rollout_gpus_per_member (2) gives each of the member's 4")
+               for p in problems)  # fmt: skip
+    assert any(p.startswith("distributed.fsdp shards the adapter") for p in problems)
+    arena["training"]["rollout_mode"] = "overlapped"
+    with pytest.raises(ConfigError, match=r"training.rollout_mode \('overlapped'\) must be one"):
+        manifest_from_dict(arena)
+
+
+def test_arena_dedicated_async_engines() -> None:
+    arena = {
+        "algorithm": {"name": "GRPO"},
+        "training": {"rollout_engines_per_agent": 1, "rollout_mode": "async"},
+        "rollout": {"max_staleness": 2},
+    }
+    m = manifest_from_dict(arena)
+    assert m.launch.rollout_gpus_per_member == 1 and m.rollout.mode == "async"
+    assert m.rollout.max_staleness == 2
+    arena["training"]["rollout_engines_per_agent"] = 0
+    with pytest.raises(ConfigError, match=r"rollout.mode \(async\) samples on dedicated"):
+        manifest_from_dict(arena)
 
 
 @pytest.mark.parametrize(
