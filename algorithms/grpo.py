@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from pbt.algorithms import losses
+from pbt.algorithms.envs.episodes import Episodes, evaluate_episodes, play_batch
 from pbt.algorithms.examples import Chat
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
@@ -138,7 +139,10 @@ class GRPO(Learner):
     def _rollout(
         self, examples: list[Example], reward: Reward
     ) -> tuple[RolloutBatch, Tensor, Tensor]:
-        """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too."""
+        """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too; a multi-turn task's
+        episodes instead, their returns as rewards (:mod:`pbt.algorithms.envs`)."""
+        if isinstance(reward, Episodes):
+            return play_batch(self, examples, reward)
         batch = self.complete([ex.chat for ex in examples])
         rewards, terms = self.score_terms(examples, batch, reward)
         algo = self.algorithm
@@ -399,6 +403,8 @@ class GRPO(Learner):
     ) -> float:
         """Mean total reward on ``examples`` (greedy when ``temperature`` is 0), split across
         ranks."""
+        if isinstance(reward, Episodes):
+            return evaluate_episodes(self, examples, reward, temperature, batch_size)
         self.model.eval()
         mine = examples[self.rank :: self.world_size]
         # every rank runs the same number of generate calls (sharded layers gather together)

@@ -31,6 +31,8 @@ from pbt.algorithms.builtin.letters import (
     letters_reward,
 )
 from pbt.algorithms.data_fields import check_template, rl_example
+from pbt.algorithms.envs.episodes import Episodes
+from pbt.algorithms.envs.task import episode_seeds, episodes_for
 from pbt.algorithms.examples import Example
 from pbt.algorithms.reasoning_gym import reasoning_gym_split
 from pbt.algorithms.rewards import (
@@ -57,7 +59,8 @@ class Task:
     name: str
     train: Sequence[Example]
     eval: Sequence[Example]
-    reward: Reward | None
+    reward: Reward | Episodes | None
+    """The reward of rows; a multi-turn task's environment (whose ``question`` are seeds)."""
 
 
 def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
@@ -72,6 +75,9 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         ConfigError: unknown task, too few distinct prompts, unreadable rows, or a bad reward
             reference.
     """
+    if cfg.env is not None:
+        train, held_out = episode_seeds(cfg, seed)
+        return Task(cfg.env.class_, train, held_out, episodes_for(cfg, base_dir))
     if cfg.train is not None:
         return _file_task(cfg, base_dir, seed)
     if cfg.source.startswith(REASONING_GYM_PREFIX):

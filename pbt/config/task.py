@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+from pbt.config.env import EnvConfig
 from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
 
 
@@ -150,7 +151,14 @@ class TaskConfig:
     reasoning-gym task (a small built-in task may have fewer)."""
     eval_size: PositiveInt = 64
     """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
-    eval split, the same for every member)."""
+    eval split, the same for every member); with ``env``, the held-out episode seeds."""
+    env: EnvConfig | None = None
+    """A multi-turn environment instead of rows: ``{file, class, kwargs}`` (see
+    docs/environments.md). Training episodes start from ``train_size`` seeds (2048 when null),
+    fitness is the mean greedy return over ``eval_size`` held-out seeds."""
+    env_timeout_s: Seconds = 30.0
+    """Seconds one environment call (``reset``, ``step`` or a tool) may take before the member
+    fails with a line naming the class, the turn and the action."""
 
     @property
     def source(self) -> str:
@@ -186,10 +194,29 @@ class TaskConfig:
                 f"{prefix}.reward and {prefix}.rewards are both set; give one reward as reward, "
                 "or several as rewards"
             )
+        if self.env is not None:
+            problems += self._check_env(prefix)
         if self.reward is not None:
             problems += self.reward.check(f"{prefix}.reward")
         for i, ref in enumerate(self.rewards):
             problems += ref.check(f"{prefix}.rewards[{i}]")
+        return problems
+
+    def _check_env(self, prefix: str) -> list[str]:
+        """An environment is the whole task: no rows, no reward functions beside it."""
+        assert self.env is not None
+        problems = self.env.check(f"{prefix}.env")
+        for key in ("name", "train", "eval", "reward"):
+            if getattr(self, key) is not None:
+                problems.append(
+                    f"{prefix}.{key} is set with {prefix}.env: an environment makes its own "
+                    f"episodes and rewards; remove {prefix}.{key}"
+                )
+        if self.rewards:
+            problems.append(
+                f"{prefix}.rewards is set with {prefix}.env: the environment's step() returns "
+                f"the rewards; remove {prefix}.rewards"
+            )
         return problems
 
     def _check_source(self, prefix: str) -> list[str]:
