@@ -155,8 +155,9 @@ def env_max_turns(env: Any, guard: Guard) -> int:
 
 
 def _room(game: _Game, episodes: Episodes, per_turn: int) -> int:
-    """Tokens the next reply may sample."""
-    return max(min(per_turn, episodes.max_episode_tokens - len(game.trajectory.ids)), 0)
+    """Tokens the next reply may sample: one is kept back for the EOS a cut reply gets."""
+    left = episodes.max_episode_tokens - len(game.trajectory.ids) - 1
+    return max(min(per_turn, left), 0)
 
 
 def _through_eos(ids: list[int], eos: int) -> list[int]:
@@ -185,7 +186,8 @@ def _answer(game: _Game, guard: Guard, template: TurnTemplate, episodes: Episode
         trajectory.done = trajectory.truncated = True
         return
     observation = template.observation_ids(game.opening, message, game.tool_schemas)
-    if len(trajectory.ids) + len(observation) >= episodes.max_episode_tokens:
+    # room must remain for one sampled token and a closing EOS after the observation
+    if len(trajectory.ids) + len(observation) + 2 > episodes.max_episode_tokens:
         trajectory.done = trajectory.truncated = True
         return
     trajectory.add_observation(observation)

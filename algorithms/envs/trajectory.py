@@ -12,12 +12,13 @@ encoding again may give ``["hello"]``).
 Only sampled tokens are trained on (``sampled`` is the loss mask); observation and tool-result
 tokens, and an end-of-turn token the trainer had to add, are attended to but masked out.
 
-Truncation rule: a turn samples at most ``min(rollout.max_output_tokens, budget left)`` tokens,
-where the budget is ``task.env.max_episode_tokens`` counted from the end of the first prompt
-(sampled and observation tokens together). A reply cut off before its end-of-turn token gets
-that token appended (masked). An observation that would not leave room for one more sampled
-token ends the episode as truncated: its reward counts, its tokens are not appended. An episode
-that reaches ``max_turns`` replies ends truncated too.
+Truncation rule: the budget is ``task.env.max_episode_tokens``, counted from the end of the
+first prompt (sampled, observation and added tokens together), and no trajectory exceeds it. A
+turn samples at most ``min(rollout.max_output_tokens, budget left - 1)`` tokens; a reply cut off
+before its end-of-turn token gets that token appended (masked), in the one token kept back. An
+observation that would not leave room for one sampled token and that EOS ends the episode as
+truncated: its reward counts, its tokens are not appended. An episode that reaches
+``max_turns`` replies ends truncated too.
 """
 
 from __future__ import annotations

@@ -35,9 +35,10 @@ class EnvConfig:
     max_turns: PositiveInt | None = None
     """Turns (model replies) per episode at most; null takes the environment's ``max_turns``."""
     max_episode_tokens: PositiveInt = 1024
-    """Tokens an episode may add after its first prompt, sampled and observed together. A turn
-    samples at most ``min(rollout.max_output_tokens, what is left)``; an observation that does
-    not fit ends the episode as truncated (its reward counted, its tokens not appended)."""
+    """Tokens an episode may add after its first prompt, sampled and observed together (never
+    exceeded). A turn samples at most ``min(rollout.max_output_tokens, what is left - 1)``, the
+    one kept back for the EOS that closes a cut reply; an observation that leaves no room for
+    another reply ends the episode as truncated (its reward counted, its tokens not appended)."""
     tools: bool = True
     """Offer the environment's tools to the model; false plays the same episodes without
     them (to measure what a tool is worth)."""
