@@ -30,6 +30,7 @@ _EXPORTS = {
     "VLLMConfig": "pbt.library.algorithms",
     "finetune_llm": "pbt.library.finetune",
     "finetune_llm_reasoning": "pbt.library.finetune",
+    "finetune_llm_multiturn": "pbt.library.finetune",
     "RLParameter": "pbt.config.ranges",
     "HyperparameterConfig": "pbt.config.ranges",
     "FSDPConfig": "pbt.config.fsdp",
