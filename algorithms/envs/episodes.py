@@ -101,6 +101,7 @@ def play(
     ``sampler(contexts, max_new)`` replaces the model's sampling (token ids in, token ids out)
     where a caller needs to fix what is sampled; None samples from the model.
     """
+    learner.model.eval()  # sampling: no dropout
     template = TurnTemplate(learner.tokenizer)
     guard = episodes.guard()
     games = [_start(episodes, guard, template, s) for s in seeds for _ in range(repeats)]

@@ -23,7 +23,9 @@ What each AgileRL argument becomes:
   written to ``elite_path`` at the end.
 - ``max_reward``: AgileRL logs the share of rewards equal to it; here it is not logged
   (a warning says so). ``target_fitness`` stops early on held-out fitness instead.
-- ``env``/``env_fn`` are refused: the task is the population's ``task`` section. ``wb``,
+- ``env``/``env_fn`` are refused: the task is the population's ``task`` section.
+  :func:`finetune_llm_multiturn` takes AgileRL's ``env_factory``, ``env_config`` and
+  ``max_turns`` for a multi-turn environment (docs/environments.md). ``wb``,
   ``tensorboard`` and ``accelerator`` have no effect (warned): metrics go to MLflow and
   members run under torchrun.
 """
