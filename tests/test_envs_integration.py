@@ -4,7 +4,7 @@ environment stops ``pbt train`` with one line."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import shutil
 import subprocess
@@ -92,13 +92,12 @@ def test_a_two_by_two_campaign_resumes(tmp_path):
     assert all(m.fitness_history for m in members)
 
 
-def test_finetune_llm_multiturn_takes_agilerls_call_shape(tmp_path):
+def test_finetune_llm_multiturn_takes_agilerls_call_shape(tmp_path, monkeypatch):
     from pbt.library.create import create_population
     from pbt.library.finetune import finetune_llm_multiturn
 
-    spec = importlib.util.spec_from_file_location("letter_game", EXAMPLE / "letter_game.py")
-    game = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(game)
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    game = importlib.import_module("letter_game")  # as a user's script imports its file
     config = small_sections(tmp_path, task={"eval_size": 4, "name": None})
     pop = create_population(config=config, population_size=2)
     with pytest.raises(ConfigError, match=r"top level of a \.py file"):
