@@ -136,6 +136,8 @@ def _start(episodes: Episodes, guard: Guard, template: TurnTemplate, seed: int) 
         system = "\n\n".join(s for s in (system, tools_system_prompt(tools)) if s)
     if system:
         opening.append({"role": "system", "content": system})
+    if tools:
+        opening += [dict(turn) for turn in getattr(env, "demonstration", None) or ()]
     opening.append({"role": "user", "content": observation})
     max_turns = episodes.max_turns or env_max_turns(env, guard)
     prompt = template.prompt_ids(opening, tool_schemas)

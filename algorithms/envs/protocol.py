@@ -9,8 +9,9 @@ An environment is any object with::
                           info: dict)
 
 and optionally ``tools``: a list of plain functions the model may call (see
-:mod:`pbt.algorithms.envs.tools`), and ``system_prompt``: a system turn before the first
-observation. ``info`` may hold ``success`` (bool), which the episode metrics count.
+:mod:`pbt.algorithms.envs.tools`); ``system_prompt``: a system turn before the first
+observation; and ``demonstration``: chat turns (a solved example of a tool call) between the
+system turn and the first observation. The last two are shown only when tools are offered. ``info`` may hold ``success`` (bool), which the episode metrics count.
 
 :class:`Guard` runs each call in a daemon thread so that a call that hangs past
 ``task.env_timeout_s`` can be abandoned: it raises :class:`~pbt.config.errors.EnvError`, one line
