@@ -197,6 +197,10 @@ def test_a_tool_call_returns_its_result_as_an_observation(member):
     observed = tok.decode([i for i, s in zip(played.ids, played.sampled, strict=True) if not s])
     assert answer in observed and "tool" in observed
     assert "calculator" in tok.decode(played.prompt)  # the tools are offered in the system turn
+    bare = dataclasses.replace(episodes, use_tools=False)  # the same episode without the tool
+    [unaided] = play(member.learner, bare, [4], sampler=_scripted(replies))
+    assert unaided.tool_calls == 0 and unaided.turns == 1 and unaided.rewards == [0.0]
+    assert "calculator" not in tok.decode(unaided.prompt)
 
 
 def test_returns_sum_per_turn_rewards_and_groups_are_one_seed(member):

@@ -60,6 +60,14 @@ class CalculatorEnv:
 
     system_prompt = "Use the calculator tool for arithmetic, then reply with the number."
     demonstration = (
+        {"role": "user", "content": "What is 7350 + 2168?"},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "calculator", "arguments": '
+            '{"expression": "7350 + 2168"}}</tool_call>',
+        },
+        {"role": "tool", "content": "9518"},
+        {"role": "assistant", "content": "9518"},
         {"role": "user", "content": "What is 1203 * 4511?"},
         {
             "role": "assistant",
@@ -69,7 +77,7 @@ class CalculatorEnv:
         {"role": "tool", "content": "5426733"},
         {"role": "assistant", "content": "5426733"},
     )
-    """One solved problem shown before the first, when the tool is offered: a 135M model
+    """Two solved problems shown before the first, when the tool is offered: a 135M model
     rarely writes a call from the schema alone."""
 
     def __init__(self, digits: int = 4, max_turns: int = 3) -> None:
