@@ -314,3 +314,19 @@ def test_env_section_errors_are_one_line_each(tmp_path):
         manifest_from_dict(
             {"task": {"env": {"class": "builtin:guess_number"}}, "algorithm": {"name": "PPO"}}
         )
+
+
+def test_the_static_engine_plays_the_same_greedy_episodes_as_generate(member, tmp_path):
+    manifest = small_manifest(
+        tmp_path,
+        task={"env": {"class": "builtin:guess_number"}, "eval_size": 4, "name": None},
+        rollout={"engine": "static"},
+    )
+    static = Member(manifest, CPU)
+    static.model.load_state_dict(member.model.state_dict())
+    episodes = dataclasses.replace(member.task.reward, max_turns=3)
+    seeds = [e.question for e in member.task.eval[:2]]
+    expected = play(member.learner, episodes, seeds, greedy=True)
+    played = play(static.learner, episodes, seeds, greedy=True)
+    assert [t.ids for t in played] == [t.ids for t in expected]
+    assert [t.sampled for t in played] == [t.sampled for t in expected]
