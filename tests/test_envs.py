@@ -18,6 +18,7 @@ from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.config.errors import ConfigError, EnvError
 from pbt.config.loader import manifest_from_dict
+from pbt.protocol.faults import classify
 
 CPU = torch.device("cpu")
 
@@ -274,6 +275,8 @@ def test_a_failing_environment_fails_with_one_line(member, tmp_path, cls, says):
     if cls != "NoMaxTurns":
         assert "turn 1 on action 'go'" in message
     assert caught.value.reproduced is (cls != "Hangs")
+    # a campaign does not retry a reproduced failure (the same member fails the same way)
+    assert classify(caught.value) == (None if cls == "Hangs" else "reward_error")
 
 
 def test_check_env_plays_one_turn(tmp_path):
