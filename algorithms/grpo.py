@@ -30,6 +30,7 @@ from pbt.algorithms import losses
 from pbt.algorithms.data.examples import Chat
 from pbt.algorithms.data.rewards import Reward
 from pbt.algorithms.data.tasks import Example
+from pbt.algorithms.envs.episodes import Episodes, evaluate_episodes, play_batch
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
@@ -142,7 +143,10 @@ class GRPO(Learner):
     def _rollout(
         self, examples: list[Example], reward: Reward
     ) -> tuple[RolloutBatch, Tensor, Tensor]:
-        """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too."""
+        """:meth:`rollout`, with each term's raw rewards ``[N, K]`` too; a multi-turn task's
+        episodes instead, their returns as rewards (:mod:`pbt.algorithms.envs`)."""
+        if isinstance(reward, Episodes):
+            return play_batch(self, examples, reward)
         return self._scored(examples, self.complete([ex.chat for ex in examples]), reward)
 
     def _scored(
@@ -430,6 +434,8 @@ class GRPO(Learner):
     ) -> float:
         """Mean total reward on ``examples`` (greedy when ``temperature`` is 0), split across
         ranks."""
+        if isinstance(reward, Episodes):
+            return evaluate_episodes(self, examples, reward, temperature, batch_size)
         self.model.eval()
         mine = examples[self.rank :: self.world_size]
         # every rank runs the same number of generate calls (sharded layers gather together)

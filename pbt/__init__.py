@@ -30,6 +30,7 @@ _EXPORTS = {
     "VLLMConfig": "pbt.agilerl.agents",
     "finetune_llm": "pbt.agilerl.finetune",
     "finetune_llm_reasoning": "pbt.agilerl.finetune",
+    "finetune_llm_multiturn": "pbt.agilerl.finetune",
     "RLParameter": "pbt.config.ranges",
     "HyperparameterConfig": "pbt.config.ranges",
     "FSDPConfig": "pbt.config.fsdp",

@@ -41,6 +41,8 @@ from pbt.algorithms.data.rewards import (
     check_reward_terms,
 )
 from pbt.algorithms.data.stages import load_staged
+from pbt.algorithms.envs.episodes import Episodes
+from pbt.algorithms.envs.task import episode_seeds, episodes_for
 from pbt.config import RL_ALGORITHMS, TaskConfig
 from pbt.config.errors import ConfigError
 from pbt.config.task import REASONING_GYM_PREFIX
@@ -58,7 +60,8 @@ class Task:
     name: str
     train: Sequence[Example]
     eval: Sequence[Example]
-    reward: Reward | None
+    reward: Reward | Episodes | None
+    """The reward of rows; a multi-turn task's environment (whose ``question`` are seeds)."""
 
 
 def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
@@ -73,6 +76,9 @@ def load_task(cfg: TaskConfig, base_dir: str | Path, seed: int) -> Task:
         ConfigError: unknown task, too few distinct prompts, unreadable rows, or a bad reward
             reference.
     """
+    if cfg.env is not None:
+        train, held_out = episode_seeds(cfg, seed)
+        return Task(cfg.env.class_, train, held_out, episodes_for(cfg, base_dir))
     if cfg.stages:
         return Task(cfg.source, *load_staged(cfg, base_dir, seed, load_task))
     if cfg.train is not None:

@@ -43,6 +43,15 @@ class RolloutBatch:
     versions: Tensor | None = None
     """``[N]`` int64 (on the CPU): the adapter version each row was drawn with, from a dedicated
     engine (:mod:`pbt.algorithms.rollout.dedicated`); None when the trainer sampled itself."""
+    attention: Tensor | None = None
+    """``[N, C]`` 1 on every real completion token when that differs from the loss mask: a
+    multi-turn trajectory's observation tokens are attended to but not trained on
+    (:mod:`pbt.algorithms.envs`). None: the completion mask."""
+
+    def completion_attention(self) -> Tensor:
+        """``[N, C]`` long, 1 on the completion tokens the model attends to."""
+        mask = self.completion_mask if self.attention is None else self.attention
+        return mask.long()
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -58,6 +67,7 @@ class RolloutBatch:
             [self.texts[i] for i in rows],
             None if self.logprobs is None else self.logprobs[index],
             None if self.versions is None else self.versions[_cpu(index)],
+            None if self.attention is None else self.attention[index],
         )
 
 
@@ -91,6 +101,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         None
         if any(b.versions is None for b in batches)
         else torch.cat([b.versions for b in batches]),
+        None
+        if all(b.attention is None for b in batches)
+        else torch.cat([right(b.completion_attention(), 0) for b in batches]),
     )
 
 
@@ -133,13 +146,32 @@ def generate(
         texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
     )
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    completion_ids = sample_ids(
+        model, tokenizer, prompt_ids, prompt_mask, cfg,
+        greedy=greedy, temperature=temperature, synced=synced,
+    )  # fmt: skip
+    return _batch(tokenizer, prompt_ids, prompt_mask, completion_ids)
+
+
+@torch.no_grad()
+def sample_ids(
+    model,
+    tokenizer,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    cfg: RolloutConfig,
+    *,
+    greedy: bool = False,
+    temperature: float | None = None,
+    synced: bool = False,
+) -> Tensor:
+    """``[N, C]`` sampled continuations of left-padded token ids ``prompt_ids`` (``[N, P]``), up
+    to ``cfg.max_output_tokens`` each, through ``generate`` or the static-cache decoder; what
+    follows an EOS is not masked here (:func:`completion_mask` marks it)."""
     temp = cfg.temperature if temperature is None else temperature
     sampling = not greedy and temp > 0
     if cfg.engine == "static" and not synced:
-        completion_ids = _static_generate(
-            model, tokenizer, prompt_ids, prompt_mask, cfg, sampling, temp
-        )
-        return _batch(tokenizer, prompt_ids, prompt_mask, completion_ids)
+        return _static_generate(model, tokenizer, prompt_ids, prompt_mask, cfg, sampling, temp)
     out = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -153,7 +185,7 @@ def generate(
         eos_token_id=tokenizer.eos_token_id,
         synced_gpus=synced,
     )
-    return _batch(tokenizer, prompt_ids, prompt_mask, out[:, prompt_ids.shape[1] :])
+    return out[:, prompt_ids.shape[1] :]
 
 
 def _static_generate(model, tokenizer, prompt_ids, prompt_mask, cfg, sampling: bool, temp: float):
@@ -213,7 +245,7 @@ def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
 
 def _inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    attention = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_attention()], dim=1)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention, positions
 
@@ -402,6 +434,7 @@ def _trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
             batch.texts,
             None if batch.logprobs is None else batch.logprobs[:, :keep],
             batch.versions,
+            None if batch.attention is None else batch.attention[:, :keep],
         ),
         right,
     )

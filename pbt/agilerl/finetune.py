@@ -23,7 +23,9 @@ What each AgileRL argument becomes:
   written to ``elite_path`` at the end.
 - ``max_reward``: AgileRL logs the share of rewards equal to it; here it is not logged
   (a warning says so). ``target_fitness`` stops early on held-out fitness instead.
-- ``env``/``env_fn`` are refused: the task is the population's ``task`` section. ``wb``,
+- ``env``/``env_fn`` are refused: the task is the population's ``task`` section.
+  :func:`finetune_llm_multiturn` takes AgileRL's ``env_factory``, ``env_config`` and
+  ``max_turns`` for a multi-turn environment (docs/environments.md). ``wb``,
   ``tensorboard`` and ``accelerator`` have no effect (warned): metrics go to MLflow and
   members run under torchrun.
 """
@@ -31,11 +33,14 @@ What each AgileRL argument becomes:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError
 from pbt.evolution.breeding import build_selection
 from pbt.library.loop import train_population
@@ -173,3 +178,80 @@ def _steps(pop: Population, max_steps: int | None, num_epochs: int | None) -> in
 
 finetune_llm_reasoning = finetune_llm
 """AgileRL's current name for the same loop."""
+
+
+def finetune_llm_multiturn(
+    pop: Population,
+    max_turns: int,
+    env_factory: Callable[..., Any],
+    env_config: dict[str, Any] | None = None,
+    init_hp: dict[str, Any] | None = None,
+    max_steps: int | None = None,
+    save_elite: bool | None = None,
+    elite_path: str | Path | None = None,
+    wb: bool = False,
+    tensorboard: bool = False,
+    tensorboard_log_dir: str | None = None,
+    evo_steps: int | None = None,
+    checkpoint_steps: int | None = None,
+    checkpoint_path: str | Path | None = None,
+    selection_strategy: Any = None,
+    tournament: Any = None,
+    mutation: Any = None,
+    evaluation_interval: int = 10,
+    max_reward: float | None = None,
+    verbose: bool = True,
+    accelerator: Any = None,
+    *,
+    max_episode_tokens: int | None = None,
+    steps: int | None = None,
+    target_fitness: float | None = None,
+    tracking: bool | str = True,
+) -> tuple[Population, list[float]]:
+    """Train ``pop`` on a multi-turn environment, in AgileRL's call shape.
+
+    ``env_factory`` is a class (or function) defined at the top level of a ``.py`` file: every
+    member process makes its environments from that file (as ``task.env: {file, class}``), so
+    a lambda or a nested class is refused. ``env_config`` are its keyword arguments,
+    ``max_turns`` the replies per episode. The population's other task keys (``eval_size``,
+    ``train_size``, ``env_timeout_s``) are kept; the rest is :func:`finetune_llm`'s.
+
+    Raises:
+        ConfigError: ``env_factory`` is not importable from a file, or a bad argument.
+    """
+    task = {
+        key: value
+        for key, value in canonical_sections(pop.manifest)["task"].items()
+        if key in ("eval_size", "train_size", "env_timeout_s")
+    }
+    env = {"file": _factory_file(env_factory), "class": env_factory.__name__}
+    env |= {"kwargs": dict(env_config or {}), "max_turns": max_turns}
+    if max_episode_tokens is not None:
+        env["max_episode_tokens"] = max_episode_tokens
+    pop.use_task({**task, "env": env})
+    if tensorboard_log_dir is not None:
+        tensorboard = True
+    return finetune_llm(
+        pop, init_hp=init_hp, save_elite=save_elite, elite_path=elite_path, wb=wb,
+        tensorboard=tensorboard, evo_steps=evo_steps, checkpoint_steps=checkpoint_steps,
+        checkpoint_path=checkpoint_path, selection_strategy=selection_strategy,
+        tournament=tournament, mutation=mutation, evaluation_interval=evaluation_interval,
+        max_reward=max_reward, verbose=verbose, accelerator=accelerator, max_steps=max_steps,
+        steps=steps, target_fitness=target_fitness, tracking=tracking,
+    )  # fmt: skip
+
+
+def _factory_file(factory: Callable[..., Any]) -> str:
+    """The file that defines ``factory`` at its top level, where members import it from."""
+    name = getattr(factory, "__name__", "")
+    module = inspect.getmodule(factory)
+    source = inspect.getsourcefile(factory) if module is not None else None
+    if not name.isidentifier() or getattr(module, name, None) is not factory or source is None:
+        raise ConfigError(
+            [
+                f"finetune_llm_multiturn(env_factory={factory!r}) must be a class or function "
+                "defined at the top level of a .py file: members make their environments "
+                "from that file; move it there"
+            ]
+        )
+    return str(Path(source).resolve())

@@ -56,6 +56,7 @@ def _check(args: argparse.Namespace) -> int:
     if manifest.task.train is not None or any(s.train for s in manifest.task.stages):
         _check_rows(manifest)
     _check_rewards(manifest)
+    _check_env(manifest)
     if args.resolved:
         print(resolved_yaml(manifest), end="")
     _print_notes(manifest)
@@ -99,6 +100,22 @@ def _check_rewards(manifest: Manifest) -> None:
 
     task, seed = manifest.task, manifest.training.seed
     problems = check_rewards(task, manifest.base_dir, seed, manifest.algorithm.name)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_env(manifest: Manifest) -> None:
+    """A multi-turn environment loads, resets and plays one turn with well-formed results
+    (its code runs here; torch is imported only for a manifest with an environment).
+
+    Raises:
+        ConfigError: the problem found.
+    """
+    if manifest.task.env is None:
+        return
+    from pbt.algorithms.envs.task import check_env
+
+    problems = check_env(manifest.task, manifest.base_dir, manifest.training.seed)
     if problems:
         raise ConfigError(problems)
 

@@ -18,6 +18,7 @@ paths stay as written; ``base_dir`` travels beside the sections (a task's
 from __future__ import annotations
 
 import dataclasses
+import keyword
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,21 @@ def resolved_yaml(manifest: Manifest) -> str:
 def _plain(value: Any) -> Any:
     """``value`` with every config dataclass turned into a dict of its init fields."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {
+            _key(f.name): _plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.init
+        }
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def _key(name: str) -> str:
+    """A field's manifest key: ``class_`` is written ``class``."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 __all__ = ["canonical_sections", "manifest_from_canonical", "resolved_yaml"]

@@ -64,3 +64,13 @@ class RewardError(PbtError):
     def __init__(self, message: str, reproduced: bool = True) -> None:
         super().__init__(message)
         self.reproduced = reproduced
+
+
+class EnvError(RewardError):
+    """A multi-turn environment's ``reset``, ``step`` or tool raised, ran past
+    ``task.env_timeout_s``, or returned something malformed (a reward that is not a finite
+    number, a step that is not a 5-tuple). One line naming the class, the turn and the action.
+
+    It fails the member's task as a reward error does: ``reproduced`` (fault ``reward_error``,
+    not retried) unless it was a timeout, which a campaign retries.
+    """

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import keyword
 import math
 import types
 import typing
@@ -202,9 +203,12 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key)
+        if keyword.iskeyword(key) and f"{key}_" in fields:  # e.g. task.env.class -> class_
+            key = f"{key}_"
         if key not in fields:
             problems.append(
-                f"{_join(prefix, key)} is not a known key{_suggest_key(cls, key, fields)}"
+                f"{_join(prefix, key)} is not a known key"
+                f"{_suggest_key(cls, key, [n.rstrip('_') for n in fields])}"
             )
             continue
         before = len(problems)
@@ -219,9 +223,10 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
         if f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
         and name not in data
+        and name.rstrip("_") not in data
     ]
     for name in missing:
-        problems.append(f"{_join(prefix, name)} is required")
+        problems.append(f"{_join(prefix, name.rstrip('_'))} is required")
     if missing:
         return None
     return cls(**kwargs)

@@ -82,6 +82,7 @@ class Manifest:
                 f"samples nothing (it learns the rows' responses); remove it, or use one of "
                 f"{', '.join(RL_ALGORITHMS)}"
             )
+        problems += self._check_env()
         problems += self._check_model()
         problems += self._check_quantization()
         problems += self._check_files()
@@ -149,6 +150,23 @@ class Manifest:
             )
         return problems
 
+    def _check_env(self) -> list[str]:
+        """A multi-turn environment against the algorithm and the rollout engine."""
+        if self.task.env is None:
+            return []
+        problems = []
+        if self.algorithm.name not in ("GRPO", "REINFORCE"):
+            problems.append(
+                f"task.env trains with GRPO or REINFORCE (group-relative returns), not "
+                f"{self.algorithm.name}; set algorithm.name: GRPO, or use rows (task.train)"
+            )
+        if self.rollout.engine == "vllm":
+            problems.append(
+                "task.env runs its episodes through rollout.engine hf or static; vllm "
+                "(prefix-cached turns) is not supported yet; set rollout.engine: hf"
+            )
+        return problems
+
     def _check_files(self) -> list[str]:
         """The task's data and reward files exist where the manifest says, and each reward
         function is defined in its file (read, never run, here). That the rows hold the named
@@ -157,6 +175,8 @@ class Manifest:
         task, base = self.task, Path(self.base_dir)
         name = task.name
         rl = self.algorithm.name in RL_ALGORITHMS
+        if task.env is not None:
+            problems += task.env.check_source(base, "task.env")
         if task.train is None and name is not None:
             known = BUILTIN_TASKS if rl else ("builtin:letters",)
             if not (name in known or (rl and name.startswith(REASONING_GYM_PREFIX))):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+from pbt.config.env import EnvConfig
 from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
 
 
@@ -180,13 +181,21 @@ class TaskConfig:
     reasoning-gym task (a small built-in task may have fewer)."""
     eval_size: PositiveInt = 64
     """Held-out rows that fitness is measured on (at most; a seeded, fixed subset of a larger
-    eval split, the same for every member). With ``stages``: per stage."""
+    eval split, the same for every member). With ``stages``: per stage; with ``env``, the
+    held-out episode seeds."""
     stages: list[StageConfig] = field(default_factory=list)
     """A curriculum: the training rows move from one stage's rows to the next as the member's
     step count passes each ``until_step``; fitness is measured on every stage's held-out rows
     together. Replaces ``name`` and ``train``."""
     replay: float = 0.0
     """With ``stages``: the share of each step's prompts drawn from the earlier stages' rows."""
+    env: EnvConfig | None = None
+    """A multi-turn environment instead of rows: ``{file, class, kwargs}`` (see
+    docs/environments.md). Training episodes start from ``train_size`` seeds (2048 when null),
+    fitness is the mean greedy return over ``eval_size`` held-out seeds."""
+    env_timeout_s: Seconds = 30.0
+    """Seconds one environment call (``reset``, ``step`` or a tool) may take before the member
+    fails with a line naming the class, the turn and the action."""
 
     @property
     def source(self) -> str:
@@ -225,6 +234,8 @@ class TaskConfig:
                 f"{prefix}.reward and {prefix}.rewards are both set; give one reward as reward, "
                 "or several as rewards"
             )
+        if self.env is not None:
+            problems += self._check_env(prefix)
         if self.reward is not None:
             problems += self.reward.check(f"{prefix}.reward")
         for i, ref in enumerate(self.rewards):
@@ -259,6 +270,28 @@ class TaskConfig:
             problems.append(
                 f"{prefix}.replay ({self.replay!r}) must be in [0, 1): the share of a step's prompts "
                 "drawn from earlier stages; use 0.2"
+            )
+        return problems
+
+    def _check_env(self, prefix: str) -> list[str]:
+        """An environment is the whole task: no rows, no reward functions beside it."""
+        assert self.env is not None
+        problems = self.env.check(f"{prefix}.env")
+        for key in ("name", "train", "eval", "reward"):
+            if getattr(self, key) is not None:
+                problems.append(
+                    f"{prefix}.{key} is set with {prefix}.env: an environment makes its own "
+                    f"episodes and rewards; remove {prefix}.{key}"
+                )
+        if self.rewards:
+            problems.append(
+                f"{prefix}.rewards is set with {prefix}.env: the environment's step() returns "
+                f"the rewards; remove {prefix}.rewards"
+            )
+        if self.stages:
+            problems.append(
+                f"{prefix}.stages is set with {prefix}.env: an environment makes its own "
+                f"episodes; remove {prefix}.stages"
             )
         return problems
 

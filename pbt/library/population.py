@@ -29,10 +29,11 @@ import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pbt.config import Manifest
-from pbt.config.errors import PbtError
+from pbt.config.canonical import canonical_sections, manifest_from_canonical
+from pbt.config.errors import ConfigError, PbtError
 from pbt.config.fsdp import FSDPConfig
 from pbt.config.ranges import BatchRule, batch_rule
 from pbt.evolution.breeding import breed, build_mutations, build_selection, child_record
@@ -281,6 +282,20 @@ class Population(Sequence[Agent]):
 
     def __len__(self) -> int:
         return len(self.agents)
+
+    def use_task(self, task: dict[str, Any]) -> None:
+        """Train on ``task`` (a ``task`` section) instead of the configuration's, validated
+        with the rest of it; only before any member is loaded (the base model holds the task).
+
+        Raises:
+            ConfigError: the section breaks a rule, or members are loaded already.
+        """
+        if self._engine is not None:
+            raise ConfigError(
+                ["the population's members are loaded already; give it the task before training"]
+            )
+        sections = {**canonical_sections(self.manifest), "task": task}
+        self.manifest = manifest_from_canonical(sections, self.manifest.base_dir, "task")
 
     def __getitem__(self, index):
         return self.agents[index]

@@ -45,6 +45,7 @@ FLOORS = {
     "pbt.tracking": 2,
     "pbt.distributed": 2,
     "pbt.algorithms": 3,
+    "pbt.algorithms.envs": 3,
     "pbt.controller": 4,
     "pbt.launch": 4,
     "pbt.worker": 4,
