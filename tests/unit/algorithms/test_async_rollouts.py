@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import small_manifest
+from support import FIXTURES, small_manifest
 
 from pbt.algorithms.rollout.dedicated import behaviour_weights, dedicated_rollouts, fresh_rows
 from pbt.algorithms.rollout.remote import RolloutEngineError
@@ -25,7 +25,7 @@ from pbt.config.errors import ConfigError
 from pbt.config.loader import load_manifest
 
 CPU = torch.device("cpu")
-FIXTURE = Path(__file__).parent / "fixtures" / "agilerl" / "grpo_arena_async.yaml"
+FIXTURE = FIXTURES / "agilerl" / "grpo_arena_async.yaml"
 DEDICATED = {"launch": {"rollout_gpus_per_member": 1}}
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import write_manifest
+from support import DRIVERS, write_manifest
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
@@ -173,7 +173,7 @@ def test_bad_multi_frequency_values_are_one_line_each(kwargs, words) -> None:
 
 # --- campaigns on the fake member ----------------------------------------------------------
 
-FAKE = [sys.executable, str(Path(__file__).parent / "drivers" / "fake_member.py")]
+FAKE = [sys.executable, str(DRIVERS / "fake_member.py")]
 MANIFEST = {
     "INIT_HP": {"EVO_STEPS": 2, "LR": 1e-4},
     "mutation": {
