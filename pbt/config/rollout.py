@@ -187,6 +187,11 @@ def dedicated_problems(manifest) -> list[str]:
             "algorithm.dynamic_sampling (true) draws more prompts mid-step, which a dedicated "
             "engine's queue does not; set dynamic_sampling: false or rollout_gpus_per_member: 0"
         )
+    if manifest.task.env is not None:
+        problems.append(
+            "task.env plays multi-turn episodes in the training process, which a dedicated "
+            "engine (launch.rollout_gpus_per_member > 0) does not; set rollout_gpus_per_member: 0"
+        )
     if manifest.distributed.fsdp:
         problems.append(
             "distributed.fsdp shards the adapter over the ranks, which a dedicated engine "

@@ -75,6 +75,10 @@ def test_bad_values_are_one_line_each(tmp_path) -> None:
         ({**DEDICATED, "rollout": {"engine": "vllm"}}, "rollout.engine ('vllm') runs colocated"),
         ({**DEDICATED, "algorithm": {"dynamic_sampling": True}}, "algorithm.dynamic_sampling"),
         ({**DEDICATED, "algorithm": {"name": "PPO"}}, "serves the GRPO family's rollouts"),
+        (
+            {**DEDICATED, "task": {"env": {"class": "builtin:guess_number"}}},
+            "task.env plays multi-turn episodes in the training process",
+        ),
     ]
     for sections, start in cases:
         with pytest.raises(ConfigError) as err:
