@@ -104,6 +104,12 @@ class Manifest:
                 "activations already are in host memory; it applies to members on a GPU "
                 "(launch.gpus_per_member > 0, or training.device: cuda for pbt train)"
             )
+        if self.launch.members_per_batch > 1:
+            notes.append(
+                f"launch.members_per_batch ({self.launch.members_per_batch}) batches the rollouts "
+                "of a library-mode population; a campaign's workers still train one member at a "
+                "time (docs/rollouts.md)"
+            )
         if not self.model.name.strip():
             return notes
         note = locate_model(self.model.name, self.base_dir).note

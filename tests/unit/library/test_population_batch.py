@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import small_sections
+from support import small_manifest, small_sections
 
 from pbt import create_population
 from pbt.config.errors import ConfigError
@@ -69,3 +69,9 @@ def test_members_per_batch_is_checked(tmp_path):
         create_population(
             config=small_sections(tmp_path, launch={"members_per_batch": 0}), population_size=2
         )
+
+
+def test_a_campaign_manifest_is_told_members_per_batch_batches_library_mode_only(tmp_path):
+    manifest = small_manifest(tmp_path, launch={"members_per_batch": 4})
+    assert any(n.startswith("launch.members_per_batch (4) batches") for n in manifest.notes())
+    assert not any("members_per_batch" in n for n in small_manifest(tmp_path).notes())
