@@ -8,7 +8,7 @@ Those names are AgileRL's agent classes and its ``VLLMConfig``, defined with Agi
 shapes (:mod:`pbt.agilerl.agents`), floors above this package; they are re-exported on first use,
 like ``pbt``'s own public names, so ``import pbt.algorithms`` imports no torch (nor does
 building an agent: it loads on first use) and nothing in this package depends on them
-(tests/test_layout.py holds this package's ``__getattr__`` to exactly that).
+(tests/unit/test_layout.py holds this package's ``__getattr__`` to exactly that).
 """
 
 import logging

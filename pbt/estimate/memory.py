@@ -37,15 +37,15 @@ Checked against the H200 figures of ``bench/RESULTS.md`` (allocator peaks, rando
 Qwen2.5 shapes, LoRA r 16 on every projection, prompt 64 + completion 448 tokens): the train step
 at 0.5B x 16 sequences, mixed precision, measured 14.3 GiB, estimated 14.3; 1.5B x 16: 28.7
 measured, 28.7 estimated; the 7B member under FSDP2 on 2 ranks (micro-batch 4): 22.3 measured,
-22.4 estimated (tests/test_memory_estimate.py keeps them within 3%). The activation term per
+22.4 estimated (tests/unit/estimate/test_memory_estimate.py keeps them within 3%). The activation term per
 layer is exact on the CPU, where the tests count what autograd saves (on a 4-bit base too:
-its matmuls save nothing of their own, tests/test_qlora.py). Members of the 0.5B shape
+its matmuls save nothing of their own, tests/unit/algorithms/test_qlora.py). Members of the 0.5B shape
 at 8 prompts x 8 completions x 32 tokens (static decoder) peaked at 2.4-2.8 GiB: the estimate
 gives 2.3-2.7 GiB for prompts of 32-64 tokens if those runs took micro-batches of 8 sequences,
 and 8.7-11.5 GiB if each forward took all 64 (their micro-batch is not recorded).
 
 The activation knobs and a 4-bit base against the H200 (``bench/activation_memory.py``, 64 +
-4,032 tokens a sequence, LoRA r 16, mixed precision; tests/test_memory_estimate.py feeds the
+4,032 tokens a sequence, LoRA r 16, mixed precision; tests/unit/estimate/test_memory_estimate.py feeds the
 estimate each workload): at 0.5B (4 sequences) and 1.5B (4) every row of plain, checkpointing,
 offloading and both, on a half base and on a 4-bit one, within 3% with the frozen head's logits
 recomputed in backward, and within 4.2% with its gradient formed in forward, the default

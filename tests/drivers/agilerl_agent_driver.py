@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_agilerl_agents.py: AgileRL's multi-GPU page, as its user
+"""Run under torchrun by tests/unit/algorithms/test_agilerl_agents.py: AgileRL's multi-GPU page, as its user
 types it, with only the model name and the import paths changed.
 
     agilerl_agent_driver.py OUT dp     GRPO(..., vllm_config=VLLMConfig()), data parallel

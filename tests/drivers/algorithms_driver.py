@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_algorithms.py: every algorithm as one member of 2 ranks.
+"""Run under torchrun by tests/unit/algorithms/test_algorithms.py: every algorithm as one member of 2 ranks.
 
 For each variant: build the member (FSDP2-sharded, or data parallel) on all ranks, train 2
 steps, evaluate, save a checkpoint to OUT/<variant>; each rank writes what it saw to

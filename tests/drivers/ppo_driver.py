@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_ppo.py: a PPO member of 2 ranks, FSDP2-sharded or data
+"""Run under torchrun by tests/unit/algorithms/test_ppo.py: a PPO member of 2 ranks, FSDP2-sharded or data
 parallel, trains 2 steps, evaluates and saves to OUT/ppo; each rank writes what it saw to
 OUT/rank<k>.json.
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm.py in its own process: the vLLM rollout against the trainer.
+"""Run by tests/integration/test_vllm.py in its own process: the vLLM rollout against the trainer.
 
 One shared-base population on the tiny model with ``rollout.engine: vllm`` (one engine serving
 every member's adapter). The driver compares the engine with Hugging Face ``generate`` and the

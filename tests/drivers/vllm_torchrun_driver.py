@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks) by tests/test_vllm.py: a member with vLLM rollouts.
+"""Run under torchrun (2 ranks) by tests/integration/test_vllm.py: a member with vLLM rollouts.
 
 ``offload``: FSDP2 with ``cpu_offload`` (allowed only with vLLM rollouts), an engine per rank.
 ``tp2``: data parallel, one engine with ``tensor_parallel_size: 2`` spanning both ranks.

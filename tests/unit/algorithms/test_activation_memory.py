@@ -232,5 +232,6 @@ def test_checkpointing_under_fsdp2_gives_the_one_rank_losses(tmp_path: Path):
     for step in a:
         assert b[step] == pytest.approx(a[step], abs=1e-5)
     adapter_a, adapter_b = torch.load(f"{one}.pt"), torch.load(f"{two}.pt")
-    for key in adapter_a:  # tolerances as tests/test_distributed.py's, and for the same reason
+    # tolerances as tests/integration/test_distributed.py's, and for the same reason
+    for key in adapter_a:
         torch.testing.assert_close(adapter_b[key], adapter_a[key], rtol=1e-3, atol=5e-5)

@@ -6,7 +6,7 @@ the import paths of docs/agilerl.md, and every constructor of the family.
 The torchrun scripts are tests/drivers/agilerl_agent_driver.py, one launch each for data
 parallel and FSDP2. Only the data-parallel one passes ``VLLMConfig()``: where vLLM is installed
 (CI) that launch is a vLLM run, and one vLLM launch here is enough (vLLM under FSDP2 is
-tests/test_vllm.py's); where it is not, the agent samples with ``generate``, with one warning.
+tests/integration/test_vllm.py's); where it is not, the agent samples with ``generate``, with one warning.
 """
 
 from __future__ import annotations

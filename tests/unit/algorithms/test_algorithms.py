@@ -48,7 +48,7 @@ def _learning_manifest(tmp_path: Path, variant: dict):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("variant", [v for v in RL if v != "ppo"])  # PPO's: tests/test_ppo.py
+@pytest.mark.parametrize("variant", [v for v in RL if v != "ppo"])  # PPO: test_ppo.py
 def test_rl_objective_learns(tmp_path, variant):
     """12 steps of the letters task: the held-out reward of the untrained adapter is 0.17 and a
     learned run of one letter scores 0.5; each objective must gain at least 0.15."""

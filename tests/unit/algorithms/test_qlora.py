@@ -332,7 +332,7 @@ def _saved_bytes(model, batch, autocast: bool) -> int:
 def test_the_activation_term_holds_on_a_4bit_base(autocast: bool):
     """A 4-bit layer's matmul saves no activation of its own (its weight is frozen): on the
     CPU, a block of a quantized base saves exactly what :func:`layer_bytes` says, as a plain
-    one does (tests/test_memory_estimate.py)."""
+    one does (tests/unit/estimate/test_memory_estimate.py)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from pbt.algorithms.runtime.models import add_lora, quantize_blocks

@@ -295,15 +295,19 @@ def test_train_population_evaluates_before_every_selection(tmp_path, monkeypatch
     assert len(names) == 3 and state["step"] == 6
 
 
-def test_train_population_resumes_exactly(tmp_path):
-    straight = train_population(
-        _loop_population(tmp_path),
-        steps=4,
-        evo_steps=2,
-        output_dir=tmp_path / "a",
-        tracking=False,
-        progress=False,
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple:
+    """One uninterrupted, tracked run of 4 steps (2 generations), its population and folder:
+    the resume test's reference and the MLflow test's run (tracking changes no decision)."""
+    folder = tmp_path_factory.mktemp("straight")
+    pop = train_population(
+        _loop_population(folder), steps=4, evo_steps=2, output_dir=folder / "run"
     )
+    return pop, folder / "run"
+
+
+def test_train_population_resumes_exactly(tmp_path, straight):
+    straight, _ = straight
     out = tmp_path / "b"
     first = train_population(
         _loop_population(tmp_path), steps=2, evo_steps=2, output_dir=out, tracking=False
@@ -398,11 +402,10 @@ def test_example_population_learns(tmp_path):
     assert (tmp_path / "run" / "best" / "attributes.pt").exists()
 
 
-def test_train_population_logs_to_mlflow(tmp_path):
+def test_train_population_logs_to_mlflow(straight):
     from mlflow import MlflowClient
 
-    out = tmp_path / "run"
-    train_population(_loop_population(tmp_path), steps=4, evo_steps=2, output_dir=out)
+    _, out = straight
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     (experiment,) = [e for e in client.search_experiments() if e.name.startswith("population")]
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
