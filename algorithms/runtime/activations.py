@@ -62,8 +62,9 @@ def checkpoint_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value")
-"""A block's KV-cache argument (transformers' current and former name)."""
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+"""A block's KV-cache argument (transformers' names for it: ``cache`` from 5.25, before that
+``past_key_values`` and, earlier still, ``past_key_value``)."""
 
 
 def _checkpointed(forward):
