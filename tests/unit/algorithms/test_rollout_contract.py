@@ -13,8 +13,8 @@ import pytest
 import torch
 from support import small_manifest
 
-from pbt.algorithms.member import Member
 from pbt.algorithms.rollout.hf import generate, sequence_logprobs
+from pbt.algorithms.runtime.member import Member
 
 CPU = torch.device("cpu")
 ENGINES = ["hf", "static"]
