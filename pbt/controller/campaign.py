@@ -63,19 +63,14 @@ from pbt.evolution.breeding import (
 from pbt.evolution.search import study_storage
 from pbt.evolution.trials import Trials
 from pbt.launch import slurm
-from pbt.launch.local import (
-    LocalLauncher,
-    Outcome,
-    PersistentLauncher,
-    TaskSpec,
-    member_command,
-)
+from pbt.launch.local import LocalLauncher, Outcome, TaskSpec, member_command
 from pbt.launch.mps import MpsDaemon
+from pbt.launch.persistent import PersistentLauncher
 from pbt.launch.processes import end_campaign_processes
 from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
 from pbt.protocol.faults import NOT_RETRIED
-from pbt.protocol.files import write_json_atomic
+from pbt.protocol.messages import TASK_FILE, ResultMessage, TaskMessage
 from pbt.protocol.paths import inside, plain_name
 from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
 
@@ -411,7 +406,7 @@ class Campaign:
     def _guess_next(
         self,
         generation: int,
-        results: dict[str, dict[str, Any]],
+        results: dict[str, ResultMessage],
         rng: random.Random,
         spent: tuple[float, float, float],
     ) -> list[TaskSpec]:
@@ -444,8 +439,8 @@ class Campaign:
         guessed = random.Random()
         guessed.setstate(rng.getstate())
         successors, _ = self._next_generation(generation, finished, guessed, members)
-        written = {r["checkpoint"]: r["digest"] for r in results.values() if r.get("digest")}
-        in_flight = {r["checkpoint"] for r in results.values() if not r.get("digest")}
+        written = {r.checkpoint: r.digest for r in results.values() if r.digest}
+        in_flight = {r.checkpoint for r in results.values() if not r.digest}
         tasks = []
         for m in successors:
             parent = m.parent_checkpoint
@@ -460,7 +455,7 @@ class Campaign:
     def _train_generation(
         self,
         generation: int,
-        guess: Callable[[dict[str, dict[str, Any]]], list[TaskSpec]] | None = None,
+        guess: Callable[[dict[str, ResultMessage]], list[TaskSpec]] | None = None,
     ) -> float:
         """Train every unfinished member of ``generation``; returns GPU-seconds used.
         ``guess`` (:meth:`_guess_next`) is asked for the next generation's first tasks once
@@ -555,7 +550,7 @@ class Campaign:
         controller would load and later delete whatever path it gives."""
         if outcome.status != "ok":
             return outcome
-        named = (outcome.result or {}).get("checkpoint")
+        named = outcome.result.checkpoint if outcome.result is not None else None
         if named == f"checkpoints/{m.member_id}":
             return outcome
         detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
@@ -569,27 +564,25 @@ class Campaign:
             self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
         task_dir = self.dir / "tasks" / m.member_id
         task_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            task_dir / "task.json",
-            {
-                "campaign_dir": str(self.dir.resolve()),
-                "manifest": self._member_sections(),
-                "manifest_base_dir": self.manifest.base_dir,
-                "member_id": m.member_id,
-                "generation": m.generation,
-                "parent_id": m.parent_id,
-                "parent_checkpoint": m.parent_checkpoint,
-                "parent_digest": (
-                    parent_digest or self.store.checkpoint_digest(m.parent_checkpoint)
-                    if m.parent_checkpoint
-                    else None
-                ),
-                "hyperparameters": m.hyperparameters,
-                "mutation": m.mutation,
-                "steps": self.manifest.population.evo_steps,
-                "checkpoint": f"checkpoints/{m.member_id}",
-            },
+        parent_digest = (
+            parent_digest or self.store.checkpoint_digest(m.parent_checkpoint)
+            if m.parent_checkpoint
+            else None
         )
+        TaskMessage(
+            campaign_dir=str(self.dir.resolve()),
+            manifest=self._member_sections(),
+            manifest_base_dir=self.manifest.base_dir,
+            member_id=m.member_id,
+            generation=m.generation,
+            parent_id=m.parent_id,
+            parent_checkpoint=m.parent_checkpoint,
+            parent_digest=parent_digest,
+            hyperparameters=m.hyperparameters,
+            mutation=m.mutation,
+            steps=self.manifest.population.evo_steps,
+            checkpoint=f"checkpoints/{m.member_id}",
+        ).write(task_dir / TASK_FILE)
         log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         nproc = self.manifest.launch.ranks
@@ -652,27 +645,27 @@ class Campaign:
         )
 
     @staticmethod
-    def _applied(m: MemberRecord, result: dict[str, Any]) -> MemberRecord:
+    def _applied(m: MemberRecord, result: ResultMessage) -> MemberRecord:
         """``m`` (changed in place) as its task's ``result`` leaves it: done, with its fitness."""
-        fault = result.get("fault") or {}
-        trained = int(result["steps"]) - m.steps  # m.steps: its parent's, until now
+        trained = result.steps - m.steps  # m.steps: its parent's, until now
         m.status = "done"
-        m.checkpoint = result["checkpoint"]
-        m.checkpoint_digest = result.get("digest")
-        m.fitness_history = [*m.fitness_history, float(result["fitness"])]
-        m.steps = int(result["steps"])
-        m.collapsed = fault.get("kind") == COLLAPSED
-        m.metrics = _signal_figures(result.get("metrics", {})) | {"trained_steps": trained}
+        m.checkpoint = result.checkpoint
+        m.checkpoint_digest = result.digest
+        m.fitness_history = [*m.fitness_history, float(result.fitness)]
+        m.steps = result.steps
+        m.collapsed = result.fault is not None and result.fault.kind == COLLAPSED
+        m.metrics = _signal_figures(result.metrics) | {"trained_steps": trained}
         return m
 
     def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
-        result = outcome.result or {}
+        result = outcome.result
+        assert result is not None  # an ok outcome has its result
         self._applied(m, result)
         trained = int(m.metrics["trained_steps"])
         self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
         self.store.update_member(m)
         if m.collapsed:
-            detail = str((result.get("fault") or {}).get("detail", ""))
+            detail = result.fault.detail if result.fault is not None else ""
             self.store.record_fault(m.generation, m.member_id, m.attempts, COLLAPSED, detail)
         self.log.member_finished(m, result)
         how = (
@@ -681,10 +674,10 @@ class Campaign:
             else "done"
         )
         self.say(
-            f"  {m.member_id} {how}: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) "
+            f"  {m.member_id} {how}: fitness {result.fitness:.3f} ({m.mutation or 'initial'}) "
             f"in {outcome.seconds:.0f} s{signal_note(m.metrics)}"
         )
-        self._diagnose(m, result.get("history", []))
+        self._diagnose(m, result.history)
 
     def _diagnose(self, m: MemberRecord, history: list[dict[str, float]]) -> None:
         """Say once, for a member with a step that learned nothing, why and what to change."""
