@@ -1,6 +1,7 @@
-"""What a campaign does with a member task that failed: record the fault, retry it, replace the
-member after its last attempt (a clone of the generation's best, or its parent), or stop the
-campaign when nothing can stand in for it or the disk is full. No torch here."""
+"""What a campaign does with each attempt's outcome: a member that finished is recorded from its
+result (and said how it learned); one that failed has its fault recorded, is retried, replaced
+after its last attempt (a clone of the generation's best, or its parent), or stops the campaign
+when nothing can stand in for it or the disk is full. No torch here."""
 
 from __future__ import annotations
 
@@ -13,12 +14,33 @@ from pbt.config.errors import PbtError
 from pbt.controller.campaign_log import CampaignLog
 from pbt.controller.store import CampaignStore
 from pbt.launch.attempt import Outcome
+from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
+from pbt.protocol.messages import ResultMessage
 from pbt.protocol.records import MemberRecord
 
 
-class Failures:
-    """A campaign's handling of failed attempts, recorded in its ``store`` and ``log``; ``say``
-    prints the controller's lines."""
+def applied(m: MemberRecord, result: ResultMessage) -> MemberRecord:
+    """``m`` (changed in place) as its task's ``result`` leaves it: done, with its fitness."""
+    trained = result.steps - m.steps  # m.steps: its parent's, until now
+    m.status = "done"
+    m.checkpoint = result.checkpoint
+    m.checkpoint_digest = result.digest
+    m.fitness_history = [*m.fitness_history, float(result.fitness)]
+    m.steps = result.steps
+    m.collapsed = result.fault is not None and result.fault.kind == COLLAPSED
+    m.metrics = _signal_figures(result.metrics) | {"trained_steps": trained}
+    return m
+
+
+def _signal_figures(metrics: dict[str, float]) -> dict[str, float]:
+    """The zero-signal figures of a result's metrics, for the member's record."""
+    keys = ("zero_signal_fraction", "zero_signal_fraction_mean", "zero_signal_steps")
+    return {k: float(metrics[k]) for k in keys if k in metrics}
+
+
+class Outcomes:
+    """A campaign's handling of attempts' outcomes, recorded in its ``store`` and ``log``;
+    ``say`` prints the controller's lines."""
 
     def __init__(
         self,
@@ -52,7 +74,39 @@ class Failures:
         detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
         return replace(outcome, status="bad_result", detail=detail)
 
-    def record(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
+    def succeeded(self, m: MemberRecord, outcome: Outcome) -> None:
+        """Record ``m`` as its ok ``outcome``'s result leaves it, and say how it learned."""
+        result = outcome.result
+        if result is None:  # an ok outcome has its result
+            raise ValueError(f"{m.member_id}: an ok outcome without a result")
+        applied(m, result)
+        trained = int(m.metrics["trained_steps"])
+        self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
+        self.store.update_member(m)
+        if m.collapsed:
+            detail = result.fault.detail if result.fault is not None else ""
+            self.store.record_fault(m.generation, m.member_id, m.attempts, COLLAPSED, detail)
+        self.log.member_finished(m, result)
+        how = (
+            f"collapsed after {trained} of {self.manifest.population.evo_steps} steps"
+            if m.collapsed
+            else "done"
+        )
+        self.say(
+            f"  {m.member_id} {how}: fitness {result.fitness:.3f} ({m.mutation or 'initial'}) "
+            f"in {outcome.seconds:.0f} s{signal_note(m.metrics)}"
+        )
+        self._diagnose(m, result.history)
+
+    def _diagnose(self, m: MemberRecord, history: list[dict[str, float]]) -> None:
+        """Say once, for a member with a step that learned nothing, why and what to change."""
+        step = last_zero_signal(history)
+        if step is not None:
+            self.say(f"  {m.member_id} had no signal at step {step['step']:.0f}: {diagnosis(step)}")
+        if m.collapsed:
+            self.say(f"  {m.member_id} collapsed; selection replaces it")
+
+    def failed(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
         """Record ``m``'s failed attempt and say what follows (``action``)."""
         self.store.record_fault(
             m.generation, m.member_id, m.attempts, outcome.status, outcome.detail
