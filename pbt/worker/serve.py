@@ -24,7 +24,7 @@ from pbt.protocol import faults
 from pbt.protocol.files import RELEASED, Heartbeat, read_json
 from pbt.protocol.messages import RESULT_FILE, MessageError, ResultMessage, TaskMessage
 from pbt.worker import cache
-from pbt.worker.task import failed, finish_task, start_task
+from pbt.worker.task import Served, failed, finish_task, start_task
 
 
 def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) -> int:
@@ -74,14 +74,12 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                     stack.enter_context(beat)
                 with _output_to(entry["log"], rank == 0):
                     try:
-                        result, host, write = start_task(
-                            task,
-                            host,
-                            beat,
+                        served = Served(
                             ahead,
                             loaded=writing.go if writing is not None else None,
                             writing=writing.write if writing is not None else None,
                         )
+                        result, host, write = start_task(task, host, beat, served)
                     except BaseException as err:
                         if not failed(task_path.parent, err):
                             raise

@@ -32,6 +32,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,26 +102,39 @@ class _Parent:
         return "memory" if self.held is not None else "disk"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Served:
+    """What a long-lived worker (:mod:`pbt.worker.serve`) gives a task besides the task."""
+
+    ahead: cache.ParentAhead | None = None
+    """The parent it prefetched for this task, if any, and where to prefetch the next task's
+    parent while this one trains."""
+    loaded: Callable[[], object] | None = None
+    """Called once the member is set up and its parent loaded (the previous write may start)."""
+    writing: Any = None
+    """The :class:`~pbt.algorithms.member.Snapshot` of its previous task, whose write may still
+    be in flight: a task handed while its parent was being written (``parent_digest`` null)
+    loads that state."""
+
+
 def start_task(
     task: TaskMessage,
     host: Any = None,
     heartbeat: Heartbeat | None = None,
-    ahead: cache.ParentAhead | None = None,
-    loaded: Any = None,
-    writing: Any = None,
+    served: Served | None = None,
 ) -> tuple[ResultMessage, Any, Any]:
     """Train and evaluate the member described by ``task`` and snapshot its state to host
     memory (every rank calls this; rank 0 reports its progress to ``heartbeat``). Returns the
     result without its checkpoint's digest, the host, and on rank 0 the snapshot that writes
     the checkpoint (:func:`finish_task`), which needs neither the device nor the other ranks;
-    None on the others. A long-lived worker passes its ``ahead``: the parent it prefetched for
-    this task, if any, and where to prefetch the next task's parent while this one trains,
-    ``loaded``, called once the member is set up and its parent loaded, and ``writing``: the
-    snapshot of its previous task, whose write may still be in flight. A task handed while its
-    parent was being written (``parent_digest`` null) loads that snapshot's state."""
+    None on the others. The steps: set up the member, find its parent, load it and apply the
+    task, train, evaluate, snapshot."""
     import torch
 
     from pbt.distributed import world_info
+
+    served = Served() if served is None else served
+    ahead = served.ahead
 
     marks = [("start", time.perf_counter())]
     if torch.cuda.is_available():
@@ -131,13 +145,13 @@ def start_task(
     world = world_info()
     member, host = _member(task, host, world)
     marks.append(("setup", time.perf_counter()))
-    parent = _find_parent(task, world.world_size, ahead, writing)
+    parent = _find_parent(task, world.world_size, ahead, served.writing)
     marks.append(("parent", time.perf_counter()))  # found in memory, or a prefetch waited for
     _prepare(member, task, parent, world.rank)
     started = time.perf_counter()
     marks.append(("load", started))
-    if loaded is not None:
-        loaded()
+    if served.loaded is not None:
+        served.loaded()
     history = _train(member, task.steps, progress, ahead)
     marks.append(("train", time.perf_counter()))
     fitness = _evaluate(member, progress)
