@@ -72,7 +72,7 @@ def write_tasks(
     checkpoint of the one before (as selection would pick), its lr set apart from the others'.
     ``digests`` holds the checkpoints' digests, so a worker may load a parent from memory."""
     from pbt.launch.local import TaskSpec
-    from pbt.protocol.files import write_json_atomic
+    from pbt.protocol.messages import TASK_FILE, TaskMessage
 
     tasks = []
     for i in range(members):
@@ -80,23 +80,20 @@ def write_tasks(
         parent = f"g{generation - 1}-m{(i + 1) % members}" if generation else None
         task_dir = campaign / "tasks" / member
         task_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            task_dir / "task.json",
-            {
-                "campaign_dir": str(campaign),
-                "manifest": manifest,
-                "manifest_base_dir": str(root),
-                "member_id": member,
-                "generation": generation,
-                "parent_id": parent,
-                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
-                "parent_digest": digests.get(parent),
-                "hyperparameters": {"lr": lr * (0.8 + 0.1 * i)},
-                "mutation": "lr" if parent else None,
-                "steps": steps,
-                "checkpoint": f"checkpoints/{member}",
-            },
-        )
+        TaskMessage(
+            campaign_dir=str(campaign),
+            manifest=manifest,
+            manifest_base_dir=str(root),
+            member_id=member,
+            generation=generation,
+            parent_id=parent,
+            parent_checkpoint=f"checkpoints/{parent}" if parent else None,
+            parent_digest=digests.get(parent) if parent else None,
+            hyperparameters={"lr": lr * (0.8 + 0.1 * i)},
+            mutation="lr" if parent else None,
+            steps=steps,
+            checkpoint=f"checkpoints/{member}",
+        ).write(task_dir / TASK_FILE)
         tasks.append(TaskSpec(member, task_dir, campaign / "logs" / member))
     return tasks
 
@@ -117,7 +114,7 @@ def next_first(
     known.append(time.perf_counter())
     if generation + 1 == args.generations:
         return []
-    written = digests | {k: r["digest"] for k, r in results.items() if r.get("digest")}
+    written = digests | {k: r.digest for k, r in results.items() if r.digest}
     tasks = write_tasks(
         root, campaign, manifest, generation + 1, args.members, args.steps, written, args.lr
     )
@@ -125,9 +122,9 @@ def next_first(
 
 
 def task_parent(task) -> str | None:
-    from pbt.protocol.files import read_json
+    from pbt.protocol.messages import TASK_FILE, TaskMessage
 
-    return read_json(Path(task.task_dir) / "task.json")["parent_id"]
+    return TaskMessage.read(Path(task.task_dir) / TASK_FILE).parent_id
 
 
 def main() -> None:
@@ -143,7 +140,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     args = parser.parse_args()
 
-    from pbt.launch.local import LocalLauncher, PersistentLauncher, member_command
+    from pbt.launch.local import LocalLauncher, member_command
+    from pbt.launch.persistent import PersistentLauncher
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -206,24 +204,24 @@ def main() -> None:
                     for outcome in outcomes:
                         if outcome.status != "ok":
                             raise SystemExit(f"{mode}: {outcome.task_id} {outcome.detail}")
-                        trained = outcome.result["steps"] - generation * args.steps
+                        trained = outcome.result.steps - generation * args.steps
                         if trained != args.steps:
                             raise SystemExit(
                                 f"{mode}: member {outcome.task_id} trained {trained} of "
-                                f"{args.steps} steps ({(outcome.result['fault'] or {}).get('detail')})"
+                                f"{args.steps} steps ({outcome.result.fault.detail if outcome.result.fault else None})"
                                 f"; the overhead share needs full tasks: lower --lr (now {args.lr})"
                             )
-                        digests[outcome.task_id] = outcome.result["digest"]
-                        from_memory += outcome.result.get("parent_from") == "memory"
-                        on_device += bool(outcome.result.get("parent_on_device"))
-                        prefetched += bool(outcome.result.get("parent_prefetched"))
-                        works[-1] += outcome.result["productive_seconds"]
-                        fitness.append(outcome.result["fitness"])
+                        digests[outcome.task_id] = outcome.result.digest
+                        from_memory += outcome.result.parent_from == "memory"
+                        on_device += bool(outcome.result.parent_on_device)
+                        prefetched += bool(outcome.result.parent_prefetched)
+                        works[-1] += outcome.result.productive_seconds
+                        fitness.append(outcome.result.fitness)
                         for name in ("setup", "parent", "load", "save"):
-                            phases[name] += outcome.result["timings"].get(name, 0.0)
-                        written += outcome.result.get("write_s", 0.0)
+                            phases[name] += outcome.result.timings.get(name, 0.0)
+                        written += outcome.result.write_s or 0.0
                     phases["outside the task"] = walls[-1] - sum(
-                        sum(o.result["timings"].values()) for o in outcomes
+                        sum(o.result.timings.values()) for o in outcomes
                     )
                     kept = len(launcher.kept_ahead)
                     print(

@@ -112,7 +112,8 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
 
-    from pbt.launch.local import PersistentLauncher, member_command
+    from pbt.launch.local import member_command
+    from pbt.launch.persistent import PersistentLauncher
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -155,14 +156,14 @@ def main() -> None:
                     for o in outcomes:
                         if o.status != "ok":
                             raise SystemExit(f"{k} at once: {o.task_id} {o.detail}")
-                        digests[o.task_id] = o.result["digest"]
+                        digests[o.task_id] = o.result.digest
                     tokens = sum(
                         h["completion_length"] * group * prompts
                         for o in outcomes
-                        for h in o.result["history"]
+                        for h in o.result.history
                     )
-                    peaks = [o.result.get("peak_memory_gib") for o in outcomes]
-                    fitness = [round(o.result["fitness"], 4) for o in outcomes]
+                    peaks = [o.result.peak_memory_gib for o in outcomes]
+                    fitness = [round(o.result.fitness, 4) for o in outcomes]
                     print(
                         f"{k} at once, generation {generation}: wall {wall:.1f} s, "
                         f"{tokens / wall:,.0f} tok/s, fitness {fitness}",

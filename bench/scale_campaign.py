@@ -40,6 +40,8 @@ from typing import Any
 
 import yaml
 
+from pbt.protocol.messages import RESULT_FILE, TASK_FILE, ResultMessage, TaskMessage
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shapes import QWEN2
@@ -143,7 +145,9 @@ def check_placement(
             task = directory / "tasks" / m.member_id
             try:
                 record = json.loads((task / "placement.json").read_text())
-                result = json.loads((task / "result.json").read_text())
+                result = ResultMessage.read(task / RESULT_FILE)
+                if result is None:
+                    raise OSError(f"{task}/result.json is missing")
             except (OSError, ValueError) as err:
                 checks.append((f"generation {generation}: {m.member_id} trained", False, str(err)))
                 continue
@@ -153,7 +157,7 @@ def check_placement(
                 )
                 continue
             gpus = record["cuda_visible_devices"] or ""
-            placed[m.member_id] = (record, {g for g in gpus.split(",") if g}, result["world_size"])
+            placed[m.member_id] = (record, {g for g in gpus.split(",") if g}, result.world_size)
         if not placed:
             continue
         latest_start = max(r["started"] for r, _, _ in placed.values())
@@ -250,11 +254,11 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
     from pbt.distributed import pick_device, shutdown, world_info
     from pbt.distributed.state import gather_parameters
 
-    task = json.loads((directory / "tasks" / member_id / "task.json").read_text())
-    manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
+    task = TaskMessage.read(directory / "tasks" / member_id / TASK_FILE)
+    manifest = manifest_from_dict(task.manifest, base_dir=task.manifest_base_dir)
     world = world_info()
     member = Member(manifest, pick_device(manifest.training.device, world.local_rank), member_id)
-    saved = member.load(directory / task["checkpoint"])
+    saved = member.load(directory / task.checkpoint)
     named = member.learner.named_params
     gathered = gather_parameters(named)
     adapter_equal = all(torch.equal(gathered[n], saved["trainable"][peft_key(n)]) for n, _ in named)

@@ -437,6 +437,9 @@ class Snapshot:
     ) -> None:
         self.path, self.attributes, self.config = path, attributes, config
         self.digest: str | None = None
+        self.cache_as: str | None = None
+        """The checkpoint path (relative to the campaign) a worker's state cache keeps this
+        state under once written; None: not kept."""
         self.keep_on_device = False
         """Whether to keep :attr:`on_device` (the caller holds states on the device)."""
         self.on_device: dict[str, Any] | None = None

@@ -29,6 +29,7 @@ from typing import Any
 from pbt.config import Manifest
 from pbt.config.agilerl import TRAINING_RULES
 from pbt.config.campaign import BudgetConfig
+from pbt.protocol.records import MemberRecord
 
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(BudgetConfig)}
 """The ``pbt resume`` flag of each budget key."""
@@ -149,3 +150,33 @@ def _aliases(name: str, key: str) -> bool:
 
 
 __all__ = ["FLAGS", "Spent", "change_problems", "exhausted", "spent_problems", "with_budget"]
+
+
+def spent_by(
+    manifest: Manifest,
+    members: list[MemberRecord],
+    generation: int,
+    finished: list[MemberRecord],
+    elapsed: float,
+    gpu_seconds: float,
+) -> Spent:
+    """What a campaign has used once ``generation`` (its members ``finished``) is done, from
+    the records of every member (``members``), ``elapsed`` seconds and ``gpu_seconds``."""
+    # each member that trained (not one replaced by a clone) trained evo_steps steps, or
+    # fewer when it collapsed; its own step count is its lineage's, parents' steps included
+    evo_steps = manifest.population.evo_steps
+    total_steps = sum(
+        int(m.metrics.get("trained_steps", evo_steps))
+        for m in members
+        if m.status == "done"
+        and m.generation <= generation
+        and not (m.mutation or "").startswith("replaced")
+    )
+    window = manifest.population.fitness_window
+    return Spent(
+        generations=generation + 1,
+        total_steps=total_steps,
+        wall_time_s=elapsed,
+        gpu_hours=gpu_seconds / 3600,
+        best_fitness=max(m.fitness(window) for m in finished),
+    )

@@ -16,6 +16,28 @@ the manifest's sections as the user wrote them (AgileRL's spellings included), f
 form (:mod:`pbt.config.canonical`), translated and validated once, here. This module imports no
 torch: members are separate processes.
 
+One generation (here g1 on two slots of long-lived workers; without them, nothing is handed
+ahead and g2 starts after the commit)::
+
+    slot 0 | g1-m0: load parent, train, eval |R| write g1-m0 |
+    slot 1 | g1-m1: load parent, train, eval      |R| write g1-m1 ..........|
+                                                   ^ every result known (R: "released")
+           guess:  select and mutate g1 from those results, recording nothing (_guess_next)
+           hand:   g2's first tasks to the idle slots' workers (pbt.launch.handahead); a
+                   child whose parent is still being written only to the worker writing it
+    slot 0                                          | g2-m0 (handed ahead) ..............
+    slot 1                                          | g2-m1 (handed ahead; its parent
+                                                    |  g1-m1 from this worker's memory) ..
+                                                                             ^ last write
+           commit: g1's results, selection run again from the store with the committed
+                   RNG state, g2's members: one transaction; g2's task.json files written
+           adopt:  each handed task whose task.json is unchanged (a null parent digest now
+                   the written one's) runs on; any other is ended and started afresh, with
+                   the tasks not handed
+
+A guess that does not hold (a write that failed, a budget reached meanwhile) costs the work
+started on it, never a decision: the commit decides, as it would without the guess.
+
 The controller writes, loads and deletes only inside its directory: a member id, or a checkpoint
 path from the store or from a member's result, that would lead elsewhere (``..``, an absolute
 path, a symlink) is refused (:mod:`pbt.protocol.paths`). A member that cannot write its checkpoint
@@ -27,9 +49,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -37,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import manifest_from_dict, read_manifest_file
 from pbt.config.overrides import with_environment
@@ -46,13 +65,17 @@ from pbt.controller.budget import (
     Spent,
     change_problems,
     exhausted,
+    spent_by,
     spent_problems,
     with_budget,
 )
 from pbt.controller.campaign_log import CampaignLog
+from pbt.controller.garbage import collect_garbage
 from pbt.controller.lock import ControllerLock
+from pbt.controller.outcomes import Outcomes, applied
 from pbt.controller.progress import Plan, ProgressDisplay
 from pbt.controller.store import STORE_FILENAME, CampaignStore
+from pbt.controller.task_files import write_task
 from pbt.evolution.breeding import (
     breed,
     build_mutations,
@@ -63,20 +86,15 @@ from pbt.evolution.breeding import (
 )
 from pbt.evolution.search import study_storage
 from pbt.evolution.trials import Trials
-from pbt.launch import slurm
-from pbt.launch.local import (
-    LocalLauncher,
-    Outcome,
-    PersistentLauncher,
-    TaskSpec,
-    member_command,
-)
+from pbt.launch.attempt import Outcome, TaskSpec
+from pbt.launch.build import build_launcher, member_env
+from pbt.launch.handahead import HandAhead
+from pbt.launch.local import LocalLauncher
 from pbt.launch.mps import MpsDaemon
 from pbt.launch.processes import end_campaign_processes
-from pbt.protocol.collapse import COLLAPSED, diagnosis, last_zero_signal, signal_note
 from pbt.protocol.crash import crash_point
 from pbt.protocol.faults import NOT_RETRIED
-from pbt.protocol.files import write_json_atomic
+from pbt.protocol.messages import ResultMessage
 from pbt.protocol.paths import inside, plain_name
 from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
 
@@ -116,8 +134,13 @@ class Campaign:
         self.mutations = build_mutations(self.manifest)
         self.member_command = member_command
         self.log = CampaignLog(directory, self.manifest)
-        self._workers: PersistentLauncher | None = None
+        self._workers: LocalLauncher | None = None
         self._mps: MpsDaemon | None = None
+        self.hand_ahead = HandAhead()
+        """The next generation's tasks handed ahead to long-lived workers (see :meth:`_guess_next`)."""
+        self.outcomes = Outcomes(
+            directory, self.manifest, self.store, self.log, lambda x: self.say(x)
+        )
 
     # -- creation and resume ---------------------------------------------------------------
 
@@ -399,37 +422,21 @@ class Campaign:
     ) -> Spent:
         """What the campaign has used once ``generation`` (its members ``finished``) is done;
         ``members`` stands for the store's (see :meth:`_next_generation`)."""
-        # each member that trained (not one replaced by a clone) trained evo_steps steps, or
-        # fewer when it collapsed; its own step count is its lineage's, parents' steps included
-        evo_steps = self.manifest.population.evo_steps
-        total_steps = sum(
-            int(m.metrics.get("trained_steps", evo_steps))
-            for m in (self.store.members() if members is None else members)
-            if m.status == "done"
-            and m.generation <= generation
-            and not (m.mutation or "").startswith("replaced")
-        )
-        window = self.manifest.population.fitness_window
-        return Spent(
-            generations=generation + 1,
-            total_steps=total_steps,
-            wall_time_s=elapsed,
-            gpu_hours=gpu_seconds / 3600,
-            best_fitness=max(m.fitness(window) for m in finished),
-        )
+        members = self.store.members() if members is None else members
+        return spent_by(self.manifest, members, generation, finished, elapsed, gpu_seconds)
 
     # -- one generation --------------------------------------------------------------------
 
     def _guess_next(
         self,
         generation: int,
-        results: dict[str, dict[str, Any]],
+        results: dict[str, ResultMessage],
         rng: random.Random,
         spent: tuple[float, float, float],
     ) -> list[TaskSpec]:
         """The next generation's first tasks, chosen from ``generation``'s ``results`` while
         its last checkpoints are still being written: the launcher starts them on the idle
-        workers at once, so that the writes overlap training.
+        workers at once, so that the writes overlap training (:mod:`pbt.launch.handahead`).
 
         Nothing is recorded: the generation is committed as always, once every checkpoint is
         on disk, with selection run again from the committed records and the same RNG state;
@@ -437,15 +444,15 @@ class Campaign:
         a guess that does not hold (a write that failed, a budget reached meanwhile) costs the
         work started on it, never a decision. A member whose parent checkpoint is still being
         written is handed with a null ``parent_digest``, to the worker writing it alone (see
-        :meth:`LocalLauncher._hand_next`), which loads that state from memory. Optuna's trials
-        are not guessed: asking the study records them.
+        :meth:`HandAhead.hand <pbt.launch.handahead.HandAhead.hand>`), which loads that state
+        from memory. Optuna's trials are not guessed: asking the study records them.
         ``spent``: the campaign's elapsed and GPU seconds before ``generation``, and when
         ``generation`` started (``time.monotonic()``).
         """
         if self.manifest.search.strategy == "optuna":
             return []
         members = [
-            self._applied(replace(m), results[m.member_id]) if m.member_id in results else m
+            applied(replace(m), results[m.member_id]) if m.member_id in results else m
             for m in self.store.members()
         ]
         finished = [m for m in members if m.generation == generation]
@@ -456,8 +463,8 @@ class Campaign:
         guessed = random.Random()
         guessed.setstate(rng.getstate())
         successors, _ = self._next_generation(generation, finished, guessed, members)
-        written = {r["checkpoint"]: r["digest"] for r in results.values() if r.get("digest")}
-        in_flight = {r["checkpoint"] for r in results.values() if not r.get("digest")}
+        written = {r.checkpoint: r.digest for r in results.values() if r.digest}
+        in_flight = {r.checkpoint for r in results.values() if not r.digest}
         tasks = []
         for m in successors:
             parent = m.parent_checkpoint
@@ -472,25 +479,17 @@ class Campaign:
     def _train_generation(
         self,
         generation: int,
-        guess: Callable[[dict[str, dict[str, Any]]], list[TaskSpec]] | None = None,
+        guess: Callable[[dict[str, ResultMessage]], list[TaskSpec]] | None = None,
     ) -> float:
-        """Train every unfinished member of ``generation``; returns GPU-seconds used.
-        ``guess`` (:meth:`_guess_next`) is asked for the next generation's first tasks once
-        every member's result is known."""
+        """Train every unfinished member of ``generation``, retrying and replacing those that
+        fail; returns GPU-seconds used. ``guess`` (:meth:`_guess_next`) is asked for the next
+        generation's first tasks once every member's result is known."""
         launch = self.manifest.launch
         gpu_seconds = 0.0
         pending = [m for m in self.store.members(generation) if m.status != "done"]
         total = len(self.store.members(generation))
-        launcher, backend = self._launcher(), launch.backend
-        adopted: dict[str, str] = {}
-        for m in pending:  # what a crashed controller left running must not race its retry
-            if m.status == "running":
-                job = launcher.take_over(self.dir / "tasks" / m.member_id)
-                if job is not None:
-                    adopted[m.member_id] = job
-                    self.say(
-                        f"  {m.member_id}: adopting job {job}, left by the previous controller"
-                    )
+        launcher = self._launcher()
+        adopted = self._adopt_jobs(pending, launcher)
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
         self.log.members_started(pending)
         attempts: dict[str, int] = {}
@@ -499,7 +498,7 @@ class Campaign:
         def started(task: TaskSpec, _slot: int) -> None:
             if task.adopt is None:
                 job = launcher.started[task.task_id]
-                self.store.record_launch(task.task_id, attempts[task.task_id], backend, job)
+                self.store.record_launch(task.task_id, attempts[task.task_id], launch.backend, job)
             crash_point("task")
 
         while pending:
@@ -520,27 +519,51 @@ class Campaign:
                     f"  {', '.join(launcher.kept_ahead)} started while generation "
                     f"{generation - 1}'s last checkpoints were written"
                 )
-            retry, disk_full, lost = [], None, []
-            for m, outcome in zip(pending, outcomes, strict=True):
+            for outcome in outcomes:
                 gpu_seconds += outcome.seconds * launch.gpus_per_member
-                outcome = self._check_result(m, outcome)
-                if outcome.status == "ok":
-                    self._record_success(m, outcome)
-                elif m.attempts < launch.max_attempts and outcome.status not in NOT_RETRIED:
-                    self._record_fault(m, outcome, "retrying")
-                    retry.append(m)
-                elif outcome.status == "disk_full":
-                    self._record_fault(m, outcome, "stopping the campaign")
-                    disk_full = disk_full or (m, outcome)
-                else:
-                    self._record_fault(m, outcome, "replacing")
-                    lost.append((m, outcome))
-            for m, outcome in lost:  # after every success of the round: each may be a source
-                self._replace(m, generation, outcome)
-            if disk_full is not None:
-                self._stop_for_disk(*disk_full)
-            pending = retry
+            pending = self._settle(generation, pending, outcomes)
         return gpu_seconds
+
+    def _adopt_jobs(self, pending: list[MemberRecord], launcher: LocalLauncher) -> dict[str, str]:
+        """The jobs a crashed controller left running for ``pending`` members, to watch rather
+        than start again (Slurm); whatever else it left is ended, so nothing races a retry."""
+        adopted = {}
+        for m in pending:
+            if m.status == "running":
+                job = launcher.take_over(self.dir / "tasks" / m.member_id)
+                if job is not None:
+                    adopted[m.member_id] = job
+                    self.say(
+                        f"  {m.member_id}: adopting job {job}, left by the previous controller"
+                    )
+        return adopted
+
+    def _settle(
+        self, generation: int, pending: list[MemberRecord], outcomes: list[Outcome]
+    ) -> list[MemberRecord]:
+        """Record each attempt's outcome; the members to retry. After its last attempt a
+        member is replaced (:class:`~pbt.controller.outcomes.Outcomes`), after every success
+        of the round, since each may be the clone's source; a full disk stops the campaign."""
+        launch = self.manifest.launch
+        retry, disk_full, lost = [], None, []
+        for m, outcome in zip(pending, outcomes, strict=True):
+            outcome = self.outcomes.check_result(m, outcome)
+            if outcome.status == "ok":
+                self.outcomes.succeeded(m, outcome)
+            elif m.attempts < launch.max_attempts and outcome.status not in NOT_RETRIED:
+                self.outcomes.failed(m, outcome, "retrying")
+                retry.append(m)
+            elif outcome.status == "disk_full":
+                self.outcomes.failed(m, outcome, "stopping the campaign")
+                disk_full = disk_full or (m, outcome)
+            else:
+                self.outcomes.failed(m, outcome, "replacing")
+                lost.append((m, outcome))
+        for m, outcome in lost:
+            self.outcomes.replace(m, generation, outcome)
+        if disk_full is not None:
+            self.outcomes.stop_for_disk(*disk_full)
+        return retry
 
     def _progress(self, generation: int, slots: int) -> ProgressDisplay:
         """What shows ``generation``'s members as they train (:mod:`pbt.controller.progress`);
@@ -551,69 +574,14 @@ class Campaign:
         plan = Plan(generation, self.manifest.budget.generations, slots, mean)
         return ProgressDisplay(plan, say=self.say, every_s=self.manifest.tracking.progress_every_s)
 
-    def _stop_for_disk(self, m: MemberRecord, outcome: Outcome) -> None:
-        """A full disk is not the member's fault: clones would fail the same way. Stop, with
-        the generation uncommitted, so that a resume re-runs what did not finish."""
-        reason = outcome.detail.splitlines()[0] if outcome.detail else "the disk is full"
-        raise PbtError(
-            f"{m.member_id} failed {m.attempts} times for want of disk space ({reason}); the "
-            f"campaign stopped with generation {m.generation} uncommitted and every earlier "
-            f"checkpoint intact: free space on the disk that holds {self.dir}, then continue "
-            f"with: pbt resume {self.dir}"
-        )
-
-    def _check_result(self, m: MemberRecord, outcome: Outcome) -> Outcome:
-        """A result whose checkpoint is not the one its task named is a bad result: the
-        controller would load and later delete whatever path it gives."""
-        if outcome.status != "ok":
-            return outcome
-        named = (outcome.result or {}).get("checkpoint")
-        if named == f"checkpoints/{m.member_id}":
-            return outcome
-        detail = f"result.json names checkpoint {named!r}, not its task's checkpoints/{m.member_id}"
-        return replace(outcome, status="bad_result", detail=detail)
-
     def _task(
         self, m: MemberRecord, parent_digest: str | None = None, adopt: str | None = None
     ) -> TaskSpec:
+        """Write ``m``'s task (:func:`pbt.controller.task_files.write_task`)."""
         plain_name(m.member_id, f"a member id in {self.store.path}")
         if m.parent_checkpoint:
             self._checkpoint_path(m.parent_checkpoint, f"the parent checkpoint of {m.member_id}")
-        task_dir = self.dir / "tasks" / m.member_id
-        task_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            task_dir / "task.json",
-            {
-                "campaign_dir": str(self.dir.resolve()),
-                "manifest": self._member_sections(),
-                "manifest_base_dir": self.manifest.base_dir,
-                "member_id": m.member_id,
-                "generation": m.generation,
-                "parent_id": m.parent_id,
-                "parent_checkpoint": m.parent_checkpoint,
-                "parent_digest": (
-                    parent_digest or self.store.checkpoint_digest(m.parent_checkpoint)
-                    if m.parent_checkpoint
-                    else None
-                ),
-                "hyperparameters": m.hyperparameters,
-                "mutation": m.mutation,
-                "steps": self.manifest.population.evo_steps,
-                "checkpoint": f"checkpoints/{m.member_id}",
-            },
-        )
-        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        nproc = self.manifest.launch.ranks
-        return TaskSpec(m.member_id, task_dir, log_path=log, nproc=nproc, adopt=adopt)
-
-    def _member_sections(self) -> dict[str, Any]:
-        """The manifest members train by, in canonical form (translated and validated once, by
-        this controller; a member translates nothing): the campaign's, with a schedule that
-        spans the whole campaign, not one generation."""
-        steps = self.manifest.budget.generations * self.manifest.population.evo_steps
-        training = replace(self.manifest.training, steps=steps)
-        return canonical_sections(replace(self.manifest, training=training))
+        return write_task(self.dir, self.manifest, self.store, m, parent_digest, adopt)
 
     def _launcher(self) -> LocalLauncher:
         """A launcher per generation; with ``persistent_workers`` one for the whole campaign,
@@ -625,139 +593,16 @@ class Campaign:
         return self._new_launcher()
 
     def _new_launcher(self) -> LocalLauncher:
+        """The launcher ``launch`` asks for (:mod:`pbt.launch.build`), with this campaign's
+        MPS daemon when members share GPUs under MPS, and its hand-ahead."""
         launch = self.manifest.launch
-        command = self.member_command or member_command()
-        env = {}
-        if launch.gpus_per_member == 0 and "OMP_NUM_THREADS" not in os.environ:
-            # CPU members share the cores: oversubscribed threads slow every member down
-            env["OMP_NUM_THREADS"] = str(
-                max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks))
-            )
+        env = member_env(launch)
         if launch.members_per_gpu > 1 and launch.gpus_per_member and launch.mps:
             if self._mps is None:
                 self._mps = MpsDaemon().start()
                 self.say(self._mps.note)
             env.update(self._mps.env)
-        kind, extra = LocalLauncher, {}
-        if launch.persistent_workers:
-            kind, extra = PersistentLauncher, {"workers_dir": self.dir / "workers"}
-        if launch.backend == "slurm":
-            command = self.member_command or slurm.slurm_member_command()
-            kind = (
-                slurm.SlurmPersistentLauncher if launch.persistent_workers else slurm.SlurmLauncher
-            )
-            extra |= {"slurm": launch.slurm, "name": f"pbt-{self.dir.resolve().name}"}
-        return kind(
-            command,
-            **extra,
-            slots=launch.slots,
-            gpus_per_member=launch.gpus_per_member,
-            gpu_ids=launch.gpu_ids,
-            members_per_gpu=launch.members_per_gpu,
-            heartbeat_timeout_s=launch.heartbeat_timeout_s,
-            task_timeout_s=launch.task_timeout_s,
-            env=env,
-            campaign_dir=self.dir,
-            memory_limit_bytes=(
-                None if launch.memory_limit_gib is None else int(launch.memory_limit_gib * 2**30)
-            ),
-        )
-
-    @staticmethod
-    def _applied(m: MemberRecord, result: dict[str, Any]) -> MemberRecord:
-        """``m`` (changed in place) as its task's ``result`` leaves it: done, with its fitness."""
-        fault = result.get("fault") or {}
-        trained = int(result["steps"]) - m.steps  # m.steps: its parent's, until now
-        m.status = "done"
-        m.checkpoint = result["checkpoint"]
-        m.checkpoint_digest = result.get("digest")
-        m.fitness_history = [*m.fitness_history, float(result["fitness"])]
-        m.steps = int(result["steps"])
-        m.collapsed = fault.get("kind") == COLLAPSED
-        m.metrics = _signal_figures(result.get("metrics", {})) | {"trained_steps": trained}
-        return m
-
-    def _record_success(self, m: MemberRecord, outcome: Outcome) -> None:
-        result = outcome.result or {}
-        self._applied(m, result)
-        trained = int(m.metrics["trained_steps"])
-        self.store.register_checkpoint(m.checkpoint, m.checkpoint_digest or "")
-        self.store.update_member(m)
-        if m.collapsed:
-            detail = str((result.get("fault") or {}).get("detail", ""))
-            self.store.record_fault(m.generation, m.member_id, m.attempts, COLLAPSED, detail)
-        self.log.member_finished(m, result)
-        how = (
-            f"collapsed after {trained} of {self.manifest.population.evo_steps} steps"
-            if m.collapsed
-            else "done"
-        )
-        self.say(
-            f"  {m.member_id} {how}: fitness {result['fitness']:.3f} ({m.mutation or 'initial'}) "
-            f"in {outcome.seconds:.0f} s{signal_note(m.metrics)}"
-        )
-        self._diagnose(m, result.get("history", []))
-
-    def _diagnose(self, m: MemberRecord, history: list[dict[str, float]]) -> None:
-        """Say once, for a member with a step that learned nothing, why and what to change."""
-        step = last_zero_signal(history)
-        if step is not None:
-            self.say(f"  {m.member_id} had no signal at step {step['step']:.0f}: {diagnosis(step)}")
-        if m.collapsed:
-            self.say(f"  {m.member_id} collapsed; selection replaces it")
-
-    def _record_fault(self, m: MemberRecord, outcome: Outcome, action: str) -> None:
-        self.store.record_fault(
-            m.generation, m.member_id, m.attempts, outcome.status, outcome.detail
-        )
-        m.status = "failed"
-        self.store.update_member(m)
-        self.log.member_failed(m, outcome.status, outcome.detail, final=action == "replacing")
-        reason = outcome.detail.splitlines()[0] if outcome.detail else ""
-        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
-        of = f"attempt {m.attempts} of {self.manifest.launch.max_attempts}"
-        self.say(f"  {m.member_id} {outcome.status} ({of}): {reason}; {action} (log: {log})")
-
-    def _replace(self, m: MemberRecord, generation: int, outcome: Outcome) -> None:
-        """After its last failed attempt (its first, on a configuration error or a broken
-        parent checkpoint, which would fail again the same way), a member becomes a clone of
-        the generation's best finished member, or of its own parent (unless that is broken)
-        when none has finished; with neither, the campaign stops with the member's cause."""
-        done = [x for x in self.store.members(generation) if x.status == "done"]
-        window = self.manifest.population.fitness_window
-        if done:
-            source = max(done, key=lambda x: x.fitness(window))
-            m.checkpoint, m.checkpoint_digest = source.checkpoint, source.checkpoint_digest
-            m.fitness_history, m.steps = list(source.fitness_history), source.steps
-            m.hyperparameters = dict(source.hyperparameters)
-            detail = f"replaced by a clone of {source.member_id} after {m.attempts} failed attempts"
-        elif m.parent_checkpoint and outcome.status != "bad_checkpoint":
-            m.checkpoint = m.parent_checkpoint
-            detail = f"replaced by its parent {m.parent_id} after {m.attempts} failed attempts"
-        else:
-            raise PbtError(self._nothing_to_replace(m, generation, outcome))
-        m.status, m.mutation = "done", detail
-        self.store.update_member(m)
-        self.store.record_fault(generation, m.member_id, m.attempts, "replaced", detail)
-        self.say(f"  {m.member_id} {detail}")
-
-    def _nothing_to_replace(self, m: MemberRecord, generation: int, outcome: Outcome) -> str:
-        """Why the campaign stops: the member's cause first, then what it means."""
-        cause = outcome.detail.splitlines()[0] if outcome.detail else outcome.status
-        times = "once" if m.attempts == 1 else f"{m.attempts} times"
-        log = self.dir / "logs" / f"{m.member_id}.attempt{m.attempts}.log"
-        fix = f"see {log}"
-        if outcome.status in ("config_error", "reward_error"):
-            fix = (
-                "fix the manifest or its reward and start the campaign again (pbt check "
-                "MANIFEST first)"
-            )
-        if outcome.status == "bad_checkpoint":
-            fix = f"restore {m.parent_checkpoint} from a backup, or start the campaign again"
-        return (
-            f"{m.member_id} failed {times} ({outcome.status}: {cause}) and no member of "
-            f"generation {generation} finished to replace it; {fix}"
-        )
+        return build_launcher(launch, self.dir, self.member_command, env, self.hand_ahead)
 
     def _checkpoint_path(self, path: str, what: str) -> Path:
         """Where checkpoint ``path`` (relative to the campaign, from the store) lies on disk.
@@ -768,46 +613,14 @@ class Campaign:
         return inside(self.dir, path, "checkpoints", what)
 
     def _collect_garbage(self) -> None:
-        """Delete checkpoints nothing references any more, and what writes that were cut off
-        left behind (disk stays bounded). No member runs while this does but the next
-        generation's members started ahead (:meth:`_guess_next`), whose checkpoints may be
-        being written: their temporary folders are left alone. A recorded path that leads
-        outside the checkpoints folder is forgotten, its target left alone."""
-        writing = set() if self._workers is None else self._workers.handed_ahead()
-        for path in self.store.unreferenced_checkpoints():
-            try:
-                self._checkpoint_path(path, "an unreferenced checkpoint")
-            except PbtError as err:
-                self.say(f"  not deleting it: {err}")
-            else:
-                _remove(self.dir / path)
-            crash_point("gc")
-            self.store.forget_checkpoint(path)
-        folder = self.dir / "checkpoints"
-        if folder.is_dir() and not folder.is_symlink():
-            for leftover in folder.glob(".*"):
-                name = leftover.name[1:].partition(".tmp-")[0].partition(".old-")[0]
-                if name != leftover.name[1:] and name not in writing:
-                    _remove(leftover)
+        """Delete what nothing references (:mod:`pbt.controller.garbage`), leaving alone the
+        writes of the tasks handed ahead."""
+        collect_garbage(self.dir, self.store, self.hand_ahead.handed(), self.say)
 
 
 def _say(line: str) -> None:
     """The controller's output: flushed, so a log shows each line as it happens."""
     print(line, flush=True)
-
-
-def _signal_figures(metrics: dict[str, Any]) -> dict[str, float]:
-    """The zero-signal figures of a result's metrics, for the member's record."""
-    keys = ("zero_signal_fraction", "zero_signal_fraction_mean", "zero_signal_steps")
-    return {k: float(metrics[k]) for k in keys if k in metrics}
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder; a symlink is unlinked, never followed."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 SUBMIT_FILES = frozenset({"controller.sbatch", "controller.log"})

@@ -22,10 +22,10 @@ killed) is sent when the campaign resumes. The runs' params and tags, logged onc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pbt.config import Manifest
 from pbt.controller.report import fitness_png, hyperparameters_png, lineage_png
+from pbt.protocol.messages import ResultMessage
 from pbt.protocol.records import MemberRecord
 from pbt.tracking.run_schema import (
     CAMPAIGN_RUN,
@@ -88,18 +88,18 @@ class CampaignLog:
                 hyperparameters=m.hyperparameters,
             )
 
-    def member_finished(self, m: MemberRecord, result: dict[str, Any]) -> None:
+    def member_finished(self, m: MemberRecord, result: ResultMessage) -> None:
         """The member's training history, fitness and hyperparameters; its run ends."""
         if self.tracker is None:
             return
-        for entry in result.get("history", []):
+        for entry in result.history:
             metrics = {k: float(v) for k, v in entry.items() if k != "step"}
             self.tracker.log_metrics(m.member_id, metrics, int(entry["step"]))
-        evaluated = {"fitness": float(result["fitness"]), **m.hyperparameters, **m.metrics}
+        evaluated = {"fitness": float(result.fitness), **m.hyperparameters, **m.metrics}
         evaluated["collapsed"] = float(m.collapsed)
         self.tracker.log_metrics(m.member_id, evaluated, m.steps)
         if m.collapsed:
-            detail = str((result.get("fault") or {}).get("detail", ""))
+            detail = result.fault.detail if result.fault is not None else ""
             self.tracker.set_tags(m.member_id, {"collapsed": detail[:250] or "true"})
         self.tracker.end_run(m.member_id)
 

@@ -1,6 +1,8 @@
-"""Launching member tasks, torch-free: torchrun process groups on this host, one per task or
-long-lived workers (:mod:`~pbt.launch.local`, which also states the task directory's file
-protocol), Slurm jobs behind the same contract (:mod:`~pbt.launch.slurm`), process groups and
-their limits (:mod:`~pbt.launch.processes`), and a campaign's own MPS daemon
+"""Launching member tasks, torch-free: torchrun process groups on this host, one per task
+(:mod:`~pbt.launch.local`, which also states the task directory's file protocol) or long-lived
+workers (:mod:`~pbt.launch.persistent`), Slurm jobs behind the same contract
+(:mod:`~pbt.launch.slurm`), what an attempt is and how it ended (:mod:`~pbt.launch.attempt`),
+the next generation's tasks handed ahead to workers still writing (:mod:`~pbt.launch.handahead`),
+process groups and their limits (:mod:`~pbt.launch.processes`), and a campaign's own MPS daemon
 (:mod:`~pbt.launch.mps`).
 """

@@ -2,11 +2,13 @@
 
 The protocol, all JSON files in one task directory, all written atomically:
 
-- the controller writes ``task.json``; the member gets its path as its last argument;
+- the controller writes ``task.json`` (a :class:`~pbt.protocol.messages.TaskMessage`); the
+  member gets its path as its last argument;
 - the member touches ``heartbeat`` every few seconds while alive (:class:`Heartbeat`); the
   launcher reads only its modification time, the controller's display its content, the
   member's progress (:mod:`pbt.protocol.progress`);
-- on success the member writes ``result.json`` with at least ``{"status": "ok"}``.
+- on success the member writes ``result.json`` (a :class:`~pbt.protocol.messages.ResultMessage`);
+  a file that is not one of this version is a ``bad_result``, with the reason.
 
 :class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
 the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs), and the rest
@@ -32,22 +34,19 @@ starts under ``RLIMIT_DATA``.
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pbt.config.errors import PbtError
+from pbt.launch.attempt import Outcome, OutcomeStatus, Running, TaskSpec
+from pbt.launch.handahead import HandAhead
 from pbt.launch.processes import (
-    KILL_GRACE_S,
     describe_exit,
     kill_groups,
     kill_orphan,
@@ -58,29 +57,17 @@ from pbt.launch.processes import (
 from pbt.protocol import faults
 from pbt.protocol.controller import CAMPAIGN_ENV, CONTROLLER_ENV, controller_token
 from pbt.protocol.crash import crash_point
-from pbt.protocol.files import RELEASED, read_json, write_json_atomic
+from pbt.protocol.files import RELEASED
+from pbt.protocol.messages import (
+    RESULT_FILE,
+    MessageError,
+    ResultMessage,
+)
 
 _AGENT_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
 """The worker's exit code in torchrun's failure summary (its first observed failure first)."""
 
-OutcomeStatus = Literal[
-    "ok",
-    "failed",
-    "timeout",
-    "no_heartbeat",
-    "no_result",
-    "bad_result",
-    "out_of_memory",
-    "disk_full",
-    "diverged",
-    "reward_error",
-    "config_error",
-    "bad_checkpoint",
-    "cancelled",
-    "preempted",
-    "node_fail",
-]
-STALE_FILES = ("result.json", "heartbeat", faults.FAULT_FILE, RELEASED)
+STALE_FILES = (RESULT_FILE, "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
 
 
@@ -99,59 +86,6 @@ def member_command() -> list[str]:
         "-m",
         "pbt.worker",
     ]
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One attempt at one member task."""
-
-    task_id: str
-    task_dir: Path
-    """Holds ``task.json`` (written by the caller); ``result.json`` and ``heartbeat`` go here."""
-    log_path: Path
-    """Receives this attempt's stdout and stderr."""
-    nproc: int = 1
-    """Processes (ranks) in the task's torchrun group."""
-    adopt: str | None = None
-    """A job a previous controller started for this very attempt, to watch instead of starting
-    one (see :meth:`LocalLauncher.take_over`); local process groups are never adopted."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one task attempt ended."""
-
-    task_id: str
-    status: OutcomeStatus
-    returncode: int | None
-    result: dict[str, Any] | None
-    detail: str
-    """In words: exit code or signal, seconds without heartbeat, the last lines of the log."""
-    seconds: float
-
-
-@dataclass
-class _Running:
-    index: int
-    task: TaskSpec
-    slot: int
-    port: int
-    proc: subprocess.Popen[bytes]
-    started: float  # time.monotonic()
-    started_wall: float  # time.time(), to compare with the heartbeat's mtime
-    released: bool = False  # its slot was handed on before it ended (see RELEASED)
-    behind: _Running | None = None
-    """The task its worker runs before this one, when it was handed over ahead (see
-    :attr:`LocalLauncher.ahead`)."""
-    taken: bool = False  # handed ahead, and its worker has started it (it heartbeats)
-    ended: bool = False
-    handed: dict[str, Any] | None = None
-    """For a task of the next call handed to a worker early (see :meth:`LocalLauncher.run`'s
-    ``on_released``): its ``task.json`` as handed, which the next call must match to keep it."""
-    parent_written_by: Path | None = None
-    """For such a task whose parent checkpoint was still being written (``parent_digest``
-    null): the folder of the task writing it, on the same worker, whose ``result.json`` gives
-    the digest the next call's ``task.json`` must name."""
 
 
 class LocalLauncher:
@@ -174,6 +108,8 @@ class LocalLauncher:
         env: variables added to the inherited environment.
         campaign_dir: the campaign the tasks belong to, named in every process's environment
             (``PBT_CAMPAIGN``), so that a resumed controller finds what is left of them.
+        hand_ahead: where the tasks handed ahead to long-lived workers are kept from one
+            :meth:`run` to the next (the campaign's; a new one by default).
         memory_limit_bytes: the most memory each process of a task may allocate
             (``RLIMIT_DATA``: its heap and private mappings; not GPU memory, not the address
             space CUDA reserves); past it an allocation fails and the member reports
@@ -194,6 +130,7 @@ class LocalLauncher:
         memory_limit_bytes: int | None = None,
         members_per_gpu: int = 1,
         campaign_dir: Path | None = None,
+        hand_ahead: HandAhead | None = None,
     ) -> None:
         groups = -(-slots // max(1, members_per_gpu))
         ids = list(range(groups * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
@@ -223,10 +160,8 @@ class LocalLauncher:
         self.campaign_dir = None if campaign_dir is None else Path(campaign_dir).resolve()
         self.started: dict[str, str] = {}
         """Task id -> the process group id (or job id) that runs its latest attempt."""
-        self._next: dict[str, _Running] = {}
-        """Tasks of the next :meth:`run` handed to workers ahead, by task id."""
-        self.kept_ahead: list[str] = []
-        """The tasks of the last :meth:`run` that the one before had started (``on_released``)."""
+        self.hand_ahead = HandAhead() if hand_ahead is None else hand_ahead
+        """Tasks of the next :meth:`run` handed to workers ahead (:mod:`pbt.launch.handahead`)."""
         self.slot_gpus = [
             ",".join(str(g) for g in ids[j * gpus_per_member : (j + 1) * gpus_per_member])
             for j in (i // max(1, members_per_gpu) for i in range(slots))
@@ -239,7 +174,7 @@ class LocalLauncher:
         on_start: Callable[[TaskSpec, int], object] | None = None,
         on_done: Callable[[Outcome], object] | None = None,
         on_poll: Callable[[list[TaskSpec], list[TaskSpec]], object] | None = None,
-        on_released: Callable[[dict[str, dict[str, Any]]], list[TaskSpec]] | None = None,
+        on_released: Callable[[dict[str, ResultMessage]], list[TaskSpec]] | None = None,
     ) -> list[Outcome]:
         """Run every task and return their outcomes in the order of ``tasks``.
 
@@ -258,18 +193,17 @@ class LocalLauncher:
         generation's first members instead of holding up the device.
         """
         self._check_tasks(tasks)
-        holding: list[list[_Running]] = [[] for _ in range(self.slots)]
+        holding: list[list[Running]] = [[] for _ in range(self.slots)]
         """Each slot's tasks not yet released, in the order its worker takes them."""
-        running: list[_Running] = []
+        running: list[Running] = []
         outcomes: dict[int, Outcome] = {}
-        adopted = self._adopt(tasks)
+        adopted = self.hand_ahead.adopt(tasks, self._discard)
         for item in adopted:
             holding[item.slot].append(item)
             running.append(item)
             self.started[item.task.task_id] = str(item.proc.pid)
             if on_start is not None:
                 on_start(item.task, item.slot)
-        self.kept_ahead = [item.task.task_id for item in adopted]
         kept = {item.index for item in adopted}
         queue = collections.deque((i, t) for i, t in enumerate(tasks) if i not in kept)
         try:
@@ -303,13 +237,11 @@ class LocalLauncher:
                     outcomes[item.index] = outcome
                     if on_done is not None:
                         on_done(outcome)
-                if on_released is not None and not queue and self._all_released(running, outcomes):
-                    results = self._results(running, outcomes)
+                if on_released is not None and not queue:
+                    results = HandAhead.results(running, outcomes)
                     if results is not None:
-                        self._hand_next(on_released(results), holding, running, results)
+                        self._hand(on_released(results), holding, running, results)
                         on_released = None
-                        if self._next:
-                            crash_point("ahead")
                 if on_poll is not None:
                     ahead = [item for item in running if not self._took(item)]
                     on_poll(
@@ -319,114 +251,42 @@ class LocalLauncher:
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:
-            kill_groups([item.proc for item in [*running, *self._next.values()]])
-            self._next.clear()
+            kill_groups([item.proc for item in [*running, *self.hand_ahead.running()]])
+            self.hand_ahead.clear()
             raise
         return [outcomes[i] for i in range(len(tasks))]
 
     def handed_ahead(self) -> set[str]:
         """The ids of the next call's tasks started ahead (see :meth:`run`'s ``on_released``)."""
-        return set(self._next)
+        return self.hand_ahead.handed()
 
-    @staticmethod
-    def _all_released(running: list[_Running], outcomes: dict[int, Outcome]) -> bool:
-        """Whether every task ended ok or was released, and some are still writing."""
-        return (
-            bool(running)
-            and all(item.released for item in running)
-            and all(o.status == "ok" for o in outcomes.values())
-        )
+    @property
+    def kept_ahead(self) -> list[str]:
+        """The tasks of the last :meth:`run` that the one before had started (``on_released``)."""
+        return self.hand_ahead.kept
 
-    @staticmethod
-    def _results(
-        running: list[_Running], outcomes: dict[int, Outcome]
-    ) -> dict[str, dict[str, Any]] | None:
-        """Every task's result: the ended ones' and the released ones' (from RELEASED); None
-        while one of those cannot be read."""
-        results = {o.task_id: o.result or {} for o in outcomes.values()}
-        for item in running:
-            result = read_json(Path(item.task.task_dir) / RELEASED)
-            if not isinstance(result, dict) or result.get("status") != "ok":
-                return None
-            results[item.task.task_id] = result
-        return results
-
-    def _hand_next(
+    def _hand(
         self,
         tasks: list[TaskSpec],
-        holding: list[list[_Running]],
-        running: list[_Running],
-        results: dict[str, dict[str, Any]],
+        holding: list[list[Running]],
+        running: list[Running],
+        results: dict[str, ResultMessage],
     ) -> None:
-        """Start ``tasks`` (the next call's) on the idle slots' workers, one a slot, in order.
-        A task whose parent checkpoint is still being written (its ``parent_digest`` null)
-        goes only to the worker writing it, which holds that state in memory (one rank)."""
-        idle = [slot for slot, held in enumerate(holding) if not held]
-        writing = {results[r.task.task_id].get("checkpoint"): r for r in running if not r.ended}
-        for task in tasks:
-            handed = read_json(Path(task.task_dir) / "task.json")
-            if not isinstance(handed, dict):
-                continue
-            writer = None
-            if handed.get("parent_checkpoint") and handed.get("parent_digest") is None:
-                writer = writing.get(handed["parent_checkpoint"])
-                if writer is None or task.nproc != 1:
-                    continue
-                candidates = [writer.slot]
-            else:
-                candidates = idle
-            slot = next((s for s in candidates if s in idle and self._queues(s, task)), None)
-            if slot is None:
-                continue
-            idle.remove(slot)
+        """Start the next call's ``tasks`` ahead on idle slots (:meth:`HandAhead.hand`)."""
+
+        def start(task: TaskSpec, slot: int) -> Running | None:
+            if not self._queues(slot, task):
+                return None
             item = self._start(-1, task, slot, {r.port for r in running})
             item.behind = next((r for r in running if r.slot == slot), None)
-            item.handed = handed
-            item.parent_written_by = None if writer is None else Path(writer.task.task_dir)
-            self._next[task.task_id] = item
+            return item
 
-    def _adopt(self, tasks: list[TaskSpec]) -> list[_Running]:
-        """The tasks of this call that the last one handed ahead unchanged, on a worker still
-        alive (their index set); the worker of every other task handed ahead is ended. (A
-        worker whose background write failed ended with it, and a retry may have written the
-        same checkpoint since.)"""
-        handed, self._next = self._next, {}
-        kept = []
-        for index, task in enumerate(tasks):
-            item = handed.get(task.task_id)
-            if (
-                item is not None
-                and item.task == task
-                and item.proc.poll() is None
-                and self._unchanged(item)
-            ):
-                del handed[task.task_id]
-                item.index = index
-                kept.append(item)
-        for item in handed.values():
-            self._discard(item)
-        return kept
+        idle = [slot for slot, held in enumerate(holding) if not held]
+        self.hand_ahead.hand(tasks, idle, running, results, start)
+        if self.hand_ahead.handed():
+            crash_point("ahead")
 
-    @staticmethod
-    def _unchanged(item: _Running) -> bool:
-        """Whether ``item``'s ``task.json`` is still the one it was handed: the same, or, when
-        it was handed while its parent was being written, the same but for the digest that
-        write gave (the state the worker loaded is the one it wrote)."""
-        now = read_json(Path(item.task.task_dir) / "task.json")
-        if now == item.handed:
-            return True
-        if item.parent_written_by is None or not isinstance(now, dict):
-            return False
-        written = read_json(item.parent_written_by / "result.json")
-        return (
-            isinstance(written, dict)
-            and written.get("digest") is not None
-            and written.get("checkpoint") == now.get("parent_checkpoint")
-            and now.get("parent_digest") == written["digest"]
-            and {**now, "parent_digest": None} == item.handed
-        )
-
-    def _discard(self, item: _Running) -> None:
+    def _discard(self, item: Running) -> None:
         """End a task handed ahead that is not to run."""
         kill_groups([item.proc])
 
@@ -434,7 +294,7 @@ class LocalLauncher:
     """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
     task the moment it releases the current one, without waiting for this controller."""
 
-    def _next_slot(self, holding: list[list[_Running]], task: TaskSpec) -> int | None:
+    def _next_slot(self, holding: list[list[Running]], task: TaskSpec) -> int | None:
         """The slot that takes ``task`` now: the lowest idle one, else (with :attr:`ahead`)
         the lowest whose worker can queue it; None: it waits."""
         for slot, held in enumerate(holding):
@@ -449,14 +309,14 @@ class LocalLauncher:
         """Whether ``slot``'s worker can take ``task`` after the one it runs."""
         return False
 
-    def _took(self, item: _Running) -> bool:
+    def _took(self, item: Running) -> bool:
         """Whether ``item`` has started: always, unless it was handed ahead and its worker
         has not taken it yet."""
         if item.behind is not None and not item.taken:
             item.taken = (Path(item.task.task_dir) / "heartbeat").exists()
         return item.behind is None or item.taken
 
-    def _lost(self, item: _Running) -> bool:
+    def _lost(self, item: Running) -> bool:
         """Whether ``item``, handed ahead, can no longer start: its worker ended before
         taking it (it goes back to the queue; it was no attempt)."""
         return not self._took(item) and item.proc.poll() is not None
@@ -464,7 +324,7 @@ class LocalLauncher:
     def close(self) -> None:
         """Nothing outlives :meth:`run` here; a long-lived launcher stops its workers."""
 
-    def _released(self, item: _Running) -> bool:
+    def _released(self, item: Running) -> bool:
         """Whether ``item``'s slot may take another task before ``item`` ends."""
         return False
 
@@ -480,7 +340,7 @@ class LocalLauncher:
             if task.nproc < 1:
                 raise ValueError(f"task {task.task_id}: nproc ({task.nproc}) must be >= 1")
 
-    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
+    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> Running:
         """Clear the previous attempt's files and start the task's process group."""
         task_dir = Path(task.task_dir)
         for stale in STALE_FILES:
@@ -488,7 +348,7 @@ class LocalLauncher:
         port = self._pick_port(slot, taken_ports)
         proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
         self._record(proc, task_dir)
-        return _Running(index, task, slot, port, proc, time.monotonic(), time.time())
+        return Running(index, task, slot, port, proc, time.monotonic(), time.time())
 
     def _record(self, proc: Any, folder: Path) -> None:
         """Leave the group's id in ``folder``: it outlives this controller, and a resumed one
@@ -541,14 +401,14 @@ class LocalLauncher:
             f"no free port in {first}..{first + 999} on 127.0.0.1; set another base_port"
         )
 
-    def _check(self, item: _Running) -> Outcome | None:
+    def _check(self, item: Running) -> Outcome | None:
         """The task's outcome if it has ended (or was killed just now), else None."""
         returncode = item.proc.poll()
         if returncode is not None:
             kill_groups([item.proc])  # stragglers the leader left behind
             status, result, detail = _classify_exit(item.task.task_dir, returncode)
             if status == "failed":
-                status, detail = _fault(item.task, detail, Path(item.task.log_path))
+                status, detail = classify_fault(item.task, detail, Path(item.task.log_path))
             return self._outcome(item, returncode, status, result, detail)
         overdue = self._overdue(item)
         if overdue is None:
@@ -559,7 +419,7 @@ class LocalLauncher:
             item, returncode, status, None, f"{reason}; {describe_exit(returncode)}"
         )
 
-    def _overdue(self, item: _Running) -> tuple[OutcomeStatus, str] | None:
+    def _overdue(self, item: Running) -> tuple[OutcomeStatus, str] | None:
         """Why a still-running task must be killed now, or None."""
         if self._waiting(item):  # queued by a scheduler: its clocks start when it runs
             item.started, item.started_wall = time.monotonic(), time.time()
@@ -576,7 +436,7 @@ class LocalLauncher:
             )
         return None
 
-    def _waiting(self, item: _Running) -> bool:
+    def _waiting(self, item: Running) -> bool:
         """Whether ``item`` waits for resources (a queued job) or, handed ahead, for the task
         before it on its worker to let go; its clocks start when it may run."""
         ahead = item.behind
@@ -584,10 +444,10 @@ class LocalLauncher:
 
     def _outcome(
         self,
-        item: _Running,
+        item: Running,
         returncode: int,
         status: OutcomeStatus,
-        result: dict[str, Any] | None,
+        result: ResultMessage | None,
         detail: str,
     ) -> Outcome:
         tail = log_tail(Path(item.task.log_path)) if status != "ok" else ""
@@ -597,187 +457,25 @@ class LocalLauncher:
         return Outcome(item.task.task_id, status, returncode, result, detail, seconds)
 
 
-@dataclass
-class _Worker:
-    slot: int
-    nproc: int
-    port: int
-    proc: subprocess.Popen[bytes]
-    folder: Path
-    sent: int = 0
-    """Inbox entries written to this worker so far (the next one's number)."""
-
-
-class PersistentLauncher(LocalLauncher):
-    """Run tasks on long-lived worker groups, one per slot, that load the base model once.
-
-    The same ``run`` contract and task files as :class:`LocalLauncher`, plus one folder per
-    slot, ``<workers_dir>/slot<i>``: the controller starts the group there with ``--serve
-    FOLDER`` in place of a task path, and hands it each task by writing
-    ``inbox/<n>.json`` (``{"task": .../task.json, "log": ...}``, ``n`` = 0, 1, ... for each
-    worker start). The worker takes the entries in order, runs each as the one-shot worker
-    would (heartbeat and ``result.json`` in the task's folder, its output in the task's log) and
-    waits for the next. Once a task's state is in host memory the worker marks it ``released``
-    and writes its checkpoint in the background: the slot then takes its next task at once, so
-    the write overlaps the next member's training, and the released task ends when its result
-    arrives. A task that fails, hangs or outruns its timeout takes its worker down with it
-    (a released one still writing, too): the group is killed and a fresh one serves the slot's
-    next task. ``close()`` (or a
-    ``stop`` file) ends the workers; a worker also ends after ``idle_timeout_s`` without a task
-    and when its folder is gone.
-
-    Args:
-        command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
-        workers_dir: where the slot folders go (a campaign's ``workers/``).
-        idle_timeout_s: passed to the workers.
-        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.01 here, since a task's
-            end is the next one's start on the same worker, and every check waited is idle.
-    """
-
-    def __init__(
-        self, command: list[str], workers_dir: Path, idle_timeout_s: float = 900.0, **kwargs
-    ) -> None:
-        kwargs.setdefault("poll_s", 0.01)
-        super().__init__(command, **kwargs)
-        self.workers_dir = Path(workers_dir)
-        self.idle_timeout_s = idle_timeout_s
-        self._workers: dict[int, _Worker] = {}
-        for slot in range(self.slots):  # groups a crashed controller left behind
-            self._end_orphan_worker(self._folder(slot))
-
-    ahead = 1
-
-    def _queues(self, slot: int, task: TaskSpec) -> bool:
-        worker = self._workers.get(slot)
-        return worker is not None and worker.proc.poll() is None and worker.nproc == task.nproc
-
-    def _end_orphan_worker(self, folder: Path) -> None:
-        kill_orphan(folder, names=folder)
-
-    def _folder(self, slot: int) -> Path:
-        return self.workers_dir / f"slot{slot}"
-
-    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> _Running:
-        task_dir = Path(task.task_dir)
-        for stale in STALE_FILES:
-            (task_dir / stale).unlink(missing_ok=True)
-        worker = self._workers.get(slot)
-        if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
-            kill_groups([worker.proc])
-            worker = None
-        if worker is None:
-            worker = self._spawn(slot, task.nproc, taken_ports)
-        Path(task.log_path).parent.mkdir(parents=True, exist_ok=True)
-        entry = {"task": str(task_dir / "task.json"), "log": str(task.log_path)}
-        # not flushed to the disk: a worker outlives no crash of this controller, and the
-        # flush would delay every hand-over
-        write_json_atomic(worker.folder / "inbox" / f"{worker.sent:06d}.json", entry, durable=False)
-        worker.sent += 1
-        return _Running(index, task, slot, worker.port, worker.proc, time.monotonic(), time.time())
-
-    def _spawn(self, slot: int, nproc: int, taken_ports: set[int]) -> _Worker:
-        """Start a worker group for ``slot`` on an empty inbox."""
-        folder = self._folder(slot)
-        shutil.rmtree(folder, ignore_errors=True)
-        (folder / "inbox").mkdir(parents=True)
-        port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
-        tail = ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
-        proc = self._popen(slot, nproc, port, tail, folder / "worker.log")
-        self._record(proc, folder)
-        worker = _Worker(slot, nproc, port, proc, folder)
-        self._workers[slot] = worker
-        return worker
-
-    def _released(self, item: _Running) -> bool:
-        return (Path(item.task.task_dir) / RELEASED).exists()
-
-    def _check(self, item: _Running) -> Outcome | None:
-        path = Path(item.task.task_dir) / "result.json"
-        if path.exists():  # written atomically: complete once it exists
-            result = read_json(path)
-            if result is not None and result.get("status") == "ok":
-                return self._outcome(item, 0, "ok", result, "served by a long-lived worker")
-            returncode = self._drop(item)
-            return self._outcome(
-                item, returncode, "bad_result", result, "result.json is not an ok result"
-            )
-        returncode = item.proc.poll()
-        if returncode is not None:  # the worker ended before the task did
-            self._drop(item)
-            if returncode == 0:
-                return self._outcome(
-                    item, 0, "no_result", None, "the worker exited 0 without finishing the task"
-                )
-            log = self._folder(item.slot) / "worker.log"
-            status, detail = _fault(item.task, describe_exit(returncode), log)
-            return self._outcome(item, returncode, status, None, detail)
-        overdue = self._overdue(item)
-        if overdue is None:
-            return None
-        status, reason = overdue
-        returncode = self._drop(item)
-        return self._outcome(
-            item, returncode, status, None, f"{reason}; the worker was {describe_exit(returncode)}"
-        )
-
-    def _drop(self, item: _Running) -> int:
-        """Kill the worker that ran ``item`` (and its group); the slot starts a fresh one."""
-        (returncode,) = kill_groups([item.proc])
-        worker = self._workers.get(item.slot)
-        if worker is not None and worker.proc is item.proc:
-            del self._workers[item.slot]
-        return returncode
-
-    def _outcome(self, item, returncode, status, result, detail) -> Outcome:
-        outcome = super()._outcome(item, returncode, status, result, detail)
-        if status == "ok":
-            return outcome
-        worker_log = self._folder(item.slot) / "worker.log"
-        tail = log_tail(worker_log)
-        if tail:
-            detail = f"{outcome.detail}\n--- last lines of the worker's own log ---\n{tail}"
-            outcome = dataclasses.replace(outcome, detail=detail)
-        _keep_worker_log(worker_log, Path(item.task.log_path))
-        return outcome
-
-    def _discard(self, item: _Running) -> None:
-        self._drop(item)
-
-    def close(self) -> None:
-        """Ask every worker to stop, and kill those that have not within the grace period (at
-        once, one that was handed a task ahead that will not run)."""
-        for item in self._next.values():
-            self._discard(item)
-        self._next.clear()
-        for worker in self._workers.values():
-            with contextlib.suppress(OSError):
-                (worker.folder / "stop").touch()
-        deadline = time.monotonic() + KILL_GRACE_S
-        for worker in self._workers.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.proc.wait(max(0.0, deadline - time.monotonic()))
-        kill_groups([w.proc for w in self._workers.values()])
-        self._workers.clear()
-
-
 def _classify_exit(
     task_dir: Path, returncode: int
-) -> tuple[OutcomeStatus, dict[str, Any] | None, str]:
+) -> tuple[OutcomeStatus, ResultMessage | None, str]:
     """Status, result and detail of a task that exited by itself."""
     if returncode != 0:
         return "failed", None, describe_exit(returncode)
-    path = Path(task_dir) / "result.json"
-    result = read_json(path)
+    path = Path(task_dir) / RESULT_FILE
+    try:
+        result = ResultMessage.read(path)
+    except MessageError as err:
+        return "bad_result", None, str(err)
     if result is None and path.exists():
         return "bad_result", None, "result.json is truncated or not a JSON object"
     if result is None:
         return "no_result", None, "exited 0 without writing result.json"
-    if result.get("status") != "ok":
-        return "bad_result", result, f"result status is {result.get('status')!r}, not 'ok'"
     return "ok", result, "exit code 0"
 
 
-def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
+def classify_fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
     """The status and detail of a member that failed: the cause its worker reported and the
     worker's exit code first; ``out_of_memory``, ``disk_full``, ``diverged``,
     ``reward_error`` or ``config_error`` when the fault was of that kind (or the log ends in a MemoryError), else
@@ -793,26 +491,6 @@ def _fault(task: TaskSpec, detail: str, log: Path) -> tuple[OutcomeStatus, str]:
     if worker is not None:
         detail = f"{detail} (worker {describe_exit(int(worker.group(1)))})"
     return status, detail if fault is None else f"{fault[1]}; {detail}"
-
-
-def _keep_worker_log(worker_log: Path, task_log: Path) -> None:
-    """Append the last lines of a failed long-lived worker's own log to its task's log when
-    only the worker's tells why (it failed before taking the task, or outside it) or the
-    task's holds nothing: the task's log is the one a fault names, and the worker's is
-    replaced when the slot's next worker starts."""
-    if not log_tail(worker_log):
-        return
-    if log_tail(task_log) and (_failure_in(task_log) or not _failure_in(worker_log)):
-        return
-    with contextlib.suppress(OSError), open(task_log, "a", encoding="utf-8") as log:
-        log.write(f"\n--- last lines of {worker_log}, where the worker failed ---\n")
-        log.write(log_tail(worker_log, 200) + "\n")
-
-
-def _failure_in(log: Path) -> bool:
-    """Whether ``log`` ends in a failure's account: a traceback or an ``error:`` line."""
-    tail = log_tail(log, 200)
-    return "Traceback (most recent call last)" in tail or "\nerror:" in f"\n{tail}"
 
 
 def _last_beat(path: Path, started_wall: float) -> float:

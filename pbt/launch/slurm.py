@@ -33,9 +33,12 @@ from typing import Any
 
 from pbt.config.campaign import SlurmConfig
 from pbt.config.errors import PbtError
-from pbt.launch.local import LocalLauncher, PersistentLauncher, _Running
+from pbt.launch.attempt import Running
+from pbt.launch.local import LocalLauncher
+from pbt.launch.persistent import PersistentLauncher
 from pbt.launch.processes import JOB_CANCEL_WAIT_S
 from pbt.protocol.files import read_json, write_json_atomic
+from pbt.protocol.messages import RESULT_FILE, ResultMessage
 
 JOB_FILE = "job.json"
 LIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
@@ -377,7 +380,7 @@ class _SlurmBackend:
         if task.adopt is None:
             return super()._start(index, task, slot, taken_ports)
         job = SlurmJob(self.queue, task.adopt, Path(task.task_dir) / JOB_FILE)
-        return _Running(index, task, slot, 0, job, time.monotonic(), time.time())
+        return Running(index, task, slot, 0, job, time.monotonic(), time.time())
 
     def _waiting(self, item) -> bool:
         return super()._waiting(item) or item.proc.waiting
@@ -407,8 +410,7 @@ class _SlurmBackend:
             return None
         job = SlurmJob(self.queue, str(record["job_id"]), Path(task_dir) / JOB_FILE)
         state = job.state()
-        result = read_json(Path(task_dir) / "result.json")
-        if not state.ended or (result or {}).get("status") == "ok":
+        if not state.ended or ResultMessage.peek(Path(task_dir) / RESULT_FILE):
             return job.job_id
         return None
 

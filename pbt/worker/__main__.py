@@ -2,6 +2,6 @@
 
 import sys
 
-from pbt.worker.task import main
+from pbt.worker.main import main
 
 sys.exit(main())

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from pbt.protocol import faults
-from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
+from pbt.protocol.files import Heartbeat, read_json
+from pbt.protocol.messages import RESULT_FILE, ResultMessage, TaskMessage
 
 REAL_CHECKPOINT = os.environ.get("FAKE_MEMBER_CHECKPOINT") == "real"
 
@@ -50,9 +51,9 @@ def serve(folder: Path) -> None:
 
 
 def run_task(task_path: Path) -> None:
-    task = read_json(task_path)
-    campaign = Path(task["campaign_dir"])
-    member = task["member_id"]
+    task = TaskMessage.read(task_path)
+    campaign = Path(task.campaign_dir)
+    member = task.member_id
     attempts_file = task_path.parent / "attempts"
     attempt = int(attempts_file.read_text()) + 1 if attempts_file.exists() else 1
     attempts_file.write_text(str(attempt))
@@ -72,45 +73,47 @@ def run_task(task_path: Path) -> None:
             if behaviour == "reward":
                 score_reward(task)
             parent = {"fitness": 0.0, "steps": 0}
-            if task["parent_checkpoint"]:
-                parent = load_state(campaign / task["parent_checkpoint"])
-            lr = task["hyperparameters"]["lr"]
+            if task.parent_checkpoint:
+                parent = load_state(campaign / task.parent_checkpoint)
+            lr = task.hyperparameters["lr"]
             gain = 1.0 - abs(math.log10(lr) - math.log10(3e-3))
             fitness = parent["fitness"] + gain
-            steps = parent.get("steps", 0) + task["steps"]
+            steps = parent.get("steps", 0) + task.steps
             state = {"fitness": fitness, "lr": lr, "steps": steps}
-            digest = save_state(campaign / task["checkpoint"], state) or f"fake-{member}"
+            digest = save_state(campaign / task.checkpoint, state) or f"fake-{member}"
         except BaseException as err:
             if faults.report(task_path.parent, err) is None:
                 raise
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
         history = [
-            {"step": step, "reward_mean": parent["fitness"] + gain * i / task["steps"], "lr": lr}
-            for i, step in enumerate(range(steps - task["steps"] + 1, steps + 1), start=1)
+            {"step": step, "reward_mean": parent["fitness"] + gain * i / task.steps, "lr": lr}
+            for i, step in enumerate(range(steps - task.steps + 1, steps + 1), start=1)
         ]
-        result = {
-            "status": "ok",
-            "fitness": fitness,
-            "steps": steps,
-            "checkpoint": task["checkpoint"],
-            "digest": digest,
-            "metrics": history[-1],
-            "history": history,
-        }
-    if behaviour == "foreign_result":  # a result that names a path outside the campaign
-        result["checkpoint"] = "checkpoints/../../outside"
+        checkpoint = task.checkpoint
+        if behaviour == "foreign_result":  # a result that names a path outside the campaign
+            checkpoint = "checkpoints/../../outside"
+        result = ResultMessage(
+            status="ok",
+            member_id=member,
+            fitness=fitness,
+            steps=steps,
+            checkpoint=checkpoint,
+            digest=digest,
+            metrics=history[-1],
+            history=history,
+        )
     if behaviour != "no_result":
-        write_json_atomic(task_path.parent / "result.json", result)
+        result.write(task_path.parent / RESULT_FILE)
 
 
-def score_reward(task: dict) -> None:
+def score_reward(task: TaskMessage) -> None:
     """Score the task's first training row, its answer as the completion, with the manifest's
     reward, as a member's learner does."""
     from pbt.algorithms.data.tasks import load_task
     from pbt.config.loader import manifest_from_dict
 
-    manifest = manifest_from_dict(task["manifest"], base_dir=task["manifest_base_dir"])
+    manifest = manifest_from_dict(task.manifest, base_dir=task.manifest_base_dir)
     loaded = load_task(manifest.task, manifest.base_dir, manifest.training.seed)
     row = loaded.train[0]
     loaded.reward([row], [str(row.answer)])

@@ -38,6 +38,7 @@ from pbt.launch.local import TaskSpec
 from pbt.launch.processes import JOB_CANCEL_WAIT_S
 from pbt.launch.slurm import SlurmLauncher, SlurmQueue, read_job
 from pbt.protocol.files import read_json, write_json_atomic
+from pbt.protocol.messages import TASK_FILE, TaskMessage
 from tests.support import TINY_CAMPAIGN
 
 pytestmark = pytest.mark.integration
@@ -112,17 +113,22 @@ FAKE_MEMBER = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     from pbt.protocol.files import Heartbeat, write_json_atomic
+    from pbt.protocol.messages import ResultMessage, TaskMessage
 
     task_path = Path(sys.argv[-1])
-    task = json.loads(task_path.read_text())
-    how, folder = task["behaviour"], task_path.parent
+    task, folder = TaskMessage.read(task_path), task_path.parent
+    fields = json.loads((folder / "fields.json").read_text())
+    how = fields.get("behaviour", "ok")
     print(f"fake member doing {how} in job {os.environ.get('SLURM_JOB_ID')}", flush=True)
     with Heartbeat(folder / "heartbeat", interval_s=0.2):
         if how == "exit3":
             sys.exit(3)
-        time.sleep(float(task.get("sleep", 0.2)))
-    write_json_atomic(folder / "result.json", {"status": "ok", "job": os.environ["SLURM_JOB_ID"],
-                                               "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")})
+        time.sleep(float(fields.get("sleep", 0.2)))
+    write_json_atomic(folder / "observed.json", {"job": os.environ["SLURM_JOB_ID"],
+                                                 "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")})
+    ResultMessage(status="ok", member_id=task.member_id, fitness=0.0, steps=task.steps,
+                  checkpoint=task.checkpoint, digest="d", metrics={},
+                  history=[]).write(folder / "result.json")
     """
 )
 
@@ -140,7 +146,12 @@ def _launcher(tmp: Path, slots: int = 2, **slurm) -> SlurmLauncher:
 def _task(tmp: Path, name: str, **fields) -> TaskSpec:
     folder = tmp / "tasks" / name
     folder.mkdir(parents=True)
-    write_json_atomic(folder / "task.json", {"behaviour": "ok", **fields})
+    TaskMessage(
+        campaign_dir=str(tmp), manifest={}, manifest_base_dir=str(tmp), member_id=name,
+        generation=0, parent_id=None, parent_checkpoint=None, parent_digest=None,
+        hyperparameters={"lr": 1e-3}, mutation=None, steps=1, checkpoint=f"checkpoints/{name}",
+    ).write(folder / TASK_FILE)  # fmt: skip
+    write_json_atomic(folder / "fields.json", fields)  # how the fake member behaves
     return TaskSpec(name, folder, log_path=tmp / "logs" / f"{name}.log")
 
 
@@ -162,9 +173,10 @@ def test_job_states_become_outcomes(tmp_path: Path, over_time) -> None:
     tasks = [_task(tmp_path, "ok"), _task(tmp_path, "exit3", behaviour="exit3")]
     ok, failed = launcher.run(tasks)
     assert ok.status == "ok", ok.detail
-    assert ok.result["cuda"] == "", "a CPU member's job hides the GPUs"
+    observed = read_json(tmp_path / "tasks" / "ok" / "observed.json")
+    assert observed["cuda"] == "", "a CPU member's job hides the GPUs"
     assert read_job(tmp_path / "tasks" / "ok")["state"] == "COMPLETED"
-    assert ok.result["job"] == read_job(tmp_path / "tasks" / "ok")["job_id"]
+    assert observed["job"] == read_job(tmp_path / "tasks" / "ok")["job_id"]
     assert failed.status == "failed" and failed.returncode == 3, failed.detail
     assert "exit code 3" in failed.detail
     script = (tmp_path / "logs" / "ok.sbatch").read_text()
@@ -210,7 +222,7 @@ def test_jobs_past_the_slots_queue_and_status_says_so(tmp_path: Path) -> None:
     assert pending["reason"] in ("Resources", "Priority"), pending
     thread.join(120)
     assert [o.status for o in outcomes] == ["ok", "ok"]
-    first, second = (read_json(t.task_dir / "result.json") for t in tasks)
+    first, second = (read_json(t.task_dir / "observed.json") for t in tasks)
     assert first["job"] != second["job"]
 
 

@@ -4,14 +4,16 @@ reported as the fault it is and takes the worker down."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from pbt.algorithms.runtime.checkpoint import load_checkpoint
-from pbt.launch.local import PersistentLauncher, TaskSpec, member_command
+from pbt.launch.local import TaskSpec, member_command
+from pbt.launch.persistent import PersistentLauncher
 from pbt.protocol.files import RELEASED, write_json_atomic
+from pbt.protocol.messages import TASK_FILE, TaskMessage
 from pbt.protocol.progress import read_progress
 
 pytestmark = pytest.mark.integration  # each test runs a real long-lived worker under torchrun
@@ -32,22 +34,20 @@ def _tasks(
     for member, parent in members:
         task_dir = campaign / "tasks" / member
         task_dir.mkdir(parents=True)
-        write_json_atomic(
-            task_dir / "task.json",
-            {
-                "campaign_dir": str(campaign),
-                "manifest": manifest,
-                "manifest_base_dir": str(campaign),
-                "member_id": member,
-                "generation": 1 if parent else 0,
-                "parent_id": parent,
-                "parent_checkpoint": f"checkpoints/{parent}" if parent else None,
-                "hyperparameters": {"lr": 1e-3},
-                "mutation": "lr" if parent else None,
-                "steps": 1,
-                "checkpoint": f"checkpoints/{member}",
-            },
-        )
+        TaskMessage(
+            campaign_dir=str(campaign),
+            manifest=manifest,
+            manifest_base_dir=str(campaign),
+            member_id=member,
+            generation=1 if parent else 0,
+            parent_id=parent,
+            parent_checkpoint=f"checkpoints/{parent}" if parent else None,
+            parent_digest=None,
+            hyperparameters={"lr": 1e-3},
+            mutation="lr" if parent else None,
+            steps=1,
+            checkpoint=f"checkpoints/{member}",
+        ).write(task_dir / TASK_FILE)
         tasks.append(TaskSpec(member, task_dir, campaign / "logs" / f"{member}.log"))
     return tasks
 
@@ -77,13 +77,13 @@ def test_served_tasks_are_released_then_write_their_checkpoints(tmp_path: Path):
     for task, outcome in zip(tasks, outcomes, strict=True):
         assert (task.task_dir / RELEASED).exists()
         checkpoint = load_checkpoint(campaign / "checkpoints" / task.task_id)
-        assert outcome.result["digest"] == checkpoint["digest"]
-        assert outcome.result["write_s"] > 0
+        assert outcome.result.digest == checkpoint["digest"]
+        assert outcome.result.write_s > 0
         assert checkpoint["lineage"]["member"] == task.task_id
         progress = read_progress(task.task_dir / "heartbeat")
         assert (progress.phase, progress.step, progress.steps) == ("saving", 1, 1)
         assert progress.reward is not None and progress.tokens_per_s > 0
-    assert outcomes[2].result["steps"] == 2  # c went on from a's checkpoint
+    assert outcomes[2].result.steps == 2  # c went on from a's checkpoint
     served = sorted((campaign / "workers" / "slot0" / "inbox").glob("*.json"))
     assert len(served) == 3  # one worker served all three
 
@@ -101,14 +101,13 @@ def test_the_worker_keeps_states_within_the_manifests_cache(
     try:
         (first,) = launcher.run(_tasks(campaign, [("a", None)], manifest))
         (child,) = _tasks(campaign, [("c", "a")], manifest)
-        task = json.loads((child.task_dir / "task.json").read_text())
-        task["parent_digest"] = first.result["digest"]
-        write_json_atomic(child.task_dir / "task.json", task)
+        task = child.task_dir / TASK_FILE
+        dataclasses.replace(TaskMessage.read(task), parent_digest=first.result.digest).write(task)
         (second,) = launcher.run([child])
     finally:
         launcher.close()
     assert [first.status, second.status] == ["ok", "ok"], [first.detail, second.detail]
-    assert second.result["parent_from"] == parent_from
+    assert second.result.parent_from == parent_from
 
 
 def test_a_background_write_that_finds_the_disk_full_fails_its_task(tmp_path: Path):
@@ -138,7 +137,7 @@ def test_the_parent_of_the_task_handed_ahead_is_prefetched_while_one_trains(tmp_
     storage) only for exactly that checkpoint and digest."""
     import torch
 
-    from pbt.worker.task import STATES, ParentAhead
+    from pbt.worker.cache import STATES, ParentAhead
 
     folder = tmp_path / "slot0"
     (folder / "inbox").mkdir(parents=True)
@@ -153,8 +152,8 @@ def test_the_parent_of_the_task_handed_ahead_is_prefetched_while_one_trains(tmp_
         write_json_atomic(
             folder / "inbox" / f"{number:06d}.json", {"task": str(task.task_dir / "task.json")}
         )
-    task = tasks[1].task_dir / "task.json"
-    write_json_atomic(task, {**json.loads(task.read_text()), "parent_digest": "d1"})
+    task = tasks[1].task_dir / TASK_FILE
+    dataclasses.replace(TaskMessage.read(task), parent_digest="d1").write(task)
     ahead.look(torch.device("cpu"))
     taken = ahead.take("checkpoints/g000-m01", "d1")
     assert torch.equal(taken["trainable"]["w"], state["trainable"]["w"])
@@ -178,7 +177,7 @@ def test_the_latest_states_are_also_held_on_the_device_within_their_budget(
     import torch
 
     from pbt.distributed.state import fresh_device_copies
-    from pbt.worker.task import ParentAhead, StateCache
+    from pbt.worker.cache import ParentAhead, StateCache
 
     def state(device: str) -> dict:
         packed = torch.empty(30, device=device)  # one packed buffer of 120 bytes
@@ -215,17 +214,11 @@ def test_the_latest_states_are_also_held_on_the_device_within_their_budget(
     folder = tmp_path / "slot0"
     (folder / "inbox").mkdir(parents=True)
     tasks = _tasks(tmp_path, [("g001-m00", "m1")])
-    task = tasks[0].task_dir / "task.json"
-    write_json_atomic(
-        task,
-        {
-            **json.loads(task.read_text()),
-            "parent_checkpoint": "checkpoints/m1",
-            "parent_digest": "d1",
-        },
-    )
+    task = tasks[0].task_dir / TASK_FILE
+    message = TaskMessage.read(task)
+    dataclasses.replace(message, parent_checkpoint="checkpoints/m1", parent_digest="d1").write(task)
     write_json_atomic(folder / "inbox" / "000000.json", {"task": str(task)})
-    monkeypatch.setattr("pbt.worker.task.STATES", cache)
+    monkeypatch.setattr("pbt.worker.cache.STATES", cache)
     ahead = ParentAhead(folder)
     ahead.look(torch.device("cpu"))  # a device-held parent is copied ahead as well
     taken = ahead.take("checkpoints/m1", "d1")

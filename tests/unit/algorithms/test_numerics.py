@@ -24,6 +24,7 @@ from pbt.controller.campaign import Campaign
 from pbt.controller.store import CampaignStore
 from pbt.launch.local import LocalLauncher, TaskSpec
 from pbt.protocol import faults
+from pbt.protocol.messages import TASK_FILE, TaskMessage
 
 CPU = torch.device("cpu")
 NAMES = sorted(OBJECTIVES)
@@ -418,9 +419,20 @@ def test_the_launcher_reports_a_diverged_member(tmp_path):
     (tmp_path / "diverge.json").write_text(json.dumps({"m": 1}))
     task_dir = tmp_path / "tasks" / "m"
     task_dir.mkdir(parents=True)
-    (task_dir / "task.json").write_text(
-        json.dumps({"campaign_dir": str(tmp_path), "member_id": "m"})
-    )
+    TaskMessage(
+        campaign_dir=str(tmp_path),
+        manifest={},
+        manifest_base_dir=str(tmp_path),
+        member_id="m",
+        generation=0,
+        parent_id=None,
+        parent_checkpoint=None,
+        parent_digest=None,
+        hyperparameters={"lr": 1e-3},
+        mutation=None,
+        steps=1,
+        checkpoint="checkpoints/m",
+    ).write(task_dir / TASK_FILE)
     launcher = LocalLauncher(command, slots=1, poll_s=0.05)
     (outcome,) = launcher.run([TaskSpec("m", task_dir, tmp_path / "m.log")])
     assert outcome.status == "diverged"

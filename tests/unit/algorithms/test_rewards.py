@@ -19,7 +19,7 @@ from pbt.algorithms.runtime.member import Member
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError, RewardError
 from pbt.protocol import faults
-from pbt.worker.task import _failed
+from pbt.worker.task import failed as _failed
 
 CPU = torch.device("cpu")
 REWARDS_PY = """

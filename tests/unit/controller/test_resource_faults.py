@@ -307,13 +307,12 @@ def test_the_writes_of_members_started_ahead_are_not_collected(tmp_path):
     for name in (".g001-m00.tmp-0a1b2c3d", ".g001-m01.tmp-0a1b2c3d", ".g001-m02.old-0a1b2c3d"):
         (folder / name).mkdir(parents=True)
 
-    class Ahead:  # the campaign's long-lived launcher, with two members started ahead
-        def handed_ahead(self) -> set[str]:
+    class Ahead:  # the campaign's hand-ahead, with two members started ahead
+        def handed(self) -> set[str]:
             return {"g001-m00", "g001-m02"}
 
-    campaign._workers = Ahead()
+    campaign.hand_ahead = Ahead()
     campaign._collect_garbage()
-    campaign._workers = None
     campaign.close()
     assert sorted(p.name for p in folder.iterdir()) == [
         ".g001-m00.tmp-0a1b2c3d", ".g001-m02.old-0a1b2c3d",

@@ -18,6 +18,7 @@ from pbt.config.errors import ConfigError
 from pbt.config.ranges import base_hyperparameters, batch_rule, keep_batch_rule
 from pbt.distributed.state import load_parameters
 from pbt.evolution.breeding import build_mutations
+from pbt.protocol.messages import TaskMessage
 from pbt.worker.task import run_task
 
 CPU = torch.device("cpu")
@@ -143,21 +144,22 @@ def test_campaign_task_applies_a_mutated_group_size_after_loading(tmp_path):
     parent.train(1)
     parent.save(campaign / "checkpoints" / "parent")
     hyperparameters = parent.learner.hyperparameters() | {"group_size": 6, "prompts_per_step": 1}
-    task = {
-        "campaign_dir": str(campaign),
-        "manifest": small_sections(tmp_path),
-        "manifest_base_dir": str(tmp_path),
-        "member_id": "g001-m00",
-        "parent_checkpoint": "checkpoints/parent",
-        "parent_id": "g000-m00",
-        "generation": 1,
-        "mutation": "group_size x1.5 (4 -> 6)",
-        "hyperparameters": hyperparameters,
-        "steps": 1,
-        "checkpoint": "checkpoints/g001-m00",
-    }
+    task = TaskMessage(
+        campaign_dir=str(campaign),
+        manifest=small_sections(tmp_path),
+        manifest_base_dir=str(tmp_path),
+        member_id="g001-m00",
+        parent_checkpoint="checkpoints/parent",
+        parent_digest=None,
+        parent_id="g000-m00",
+        generation=1,
+        mutation="group_size x1.5 (4 -> 6)",
+        hyperparameters=hyperparameters,
+        steps=1,
+        checkpoint="checkpoints/g001-m00",
+    )
     result, _ = run_task(task)
-    assert result["status"] == "ok" and result["steps"] == 2
+    assert result.status == "ok" and result.steps == 2
     saved = load_checkpoint(campaign / "checkpoints" / "g001-m00")["hyperparameters"]
     assert saved["group_size"] == 6 and type(saved["group_size"]) is int
     assert saved["prompts_per_step"] == 1 and type(saved["prompts_per_step"]) is int

@@ -1,9 +1,10 @@
 """The local launcher against a small hand-written member program: real subprocesses, no mocks.
 
-The fake member reads ``behaviour`` from its task.json and acts it out: succeed, crash, kill
+The fake member reads ``behaviour`` from its task's folder and acts it out: succeed, crash, kill
 itself, hang with or without heartbeats, ignore SIGTERM, exit without a result or with a
 truncated one. It writes its pid (and, when it hangs, the pid of a child it spawned) so a test
-can prove the launcher left no process behind.
+can prove the launcher left no process behind. Its tasks and results are the real messages
+(:mod:`pbt.protocol.messages`); what it saw of its environment it writes to ``observed.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from pbt.config.errors import PbtError
 from pbt.launch.local import LocalLauncher, Outcome, TaskSpec
 from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
+from pbt.protocol.messages import RESULT_FILE, TASK_FILE, ResultMessage, TaskMessage
 
 FAKE_MEMBER = textwrap.dedent(
     """
@@ -29,14 +31,15 @@ FAKE_MEMBER = textwrap.dedent(
     from pathlib import Path
 
     from pbt.protocol.files import Heartbeat, write_json_atomic
+    from pbt.protocol.messages import ResultMessage, TaskMessage
 
     task_path = Path(sys.argv[-1])
     task_dir = task_path.parent
-    task = json.loads(task_path.read_text())
-    behaviour = task["behaviour"]
+    task = TaskMessage.read(task_path)
+    behaviour = (task_dir / "behaviour").read_text()
     (task_dir / "pid").write_text(str(os.getpid()))
     started = time.time()
-    print(f"fake member {task['id']} doing {behaviour}", flush=True)
+    print(f"fake member {task.member_id} doing {behaviour}", flush=True)
 
 
     def spawn_child():
@@ -47,9 +50,7 @@ FAKE_MEMBER = textwrap.dedent(
     def finish(sleep_s):
         with Heartbeat(task_dir / "heartbeat", interval_s=0.2):
             time.sleep(sleep_s)
-        write_json_atomic(task_dir / "result.json", {
-            "status": "ok",
-            "id": task["id"],
+        write_json_atomic(task_dir / "observed.json", {
             "argv": sys.argv[1:-1],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "mlflow_run_id": os.environ.get("MLFLOW_RUN_ID"),
@@ -57,6 +58,10 @@ FAKE_MEMBER = textwrap.dedent(
             "start": started,
             "end": time.time(),
         })
+        ResultMessage(
+            status="ok", member_id=task.member_id, fitness=0.0, steps=task.steps,
+            checkpoint=task.checkpoint, digest="d", metrics={}, history=[],
+        ).write(task_dir / "result.json")
 
 
     if behaviour == "ok":
@@ -100,11 +105,42 @@ def fake_member(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make_task(root: Path, task_id: str, behaviour: str) -> TaskSpec:
+TASK_DIRS: dict[str, Path] = {}
+"""The folder of the latest task made with each id (what :func:`seen` reads)."""
+
+
+def make_task(root: Path, task_id: str, behaviour: str, **fields: object) -> TaskSpec:
+    """A task for the fake members: its message (``fields`` changed), its ``behaviour``."""
     task_dir = root / task_id
     task_dir.mkdir(parents=True)
-    write_json_atomic(task_dir / "task.json", {"id": task_id, "behaviour": behaviour})
+    (task_dir / "behaviour").write_text(behaviour)
+    write_task(task_dir, **fields)
+    TASK_DIRS[task_id] = task_dir
     return TaskSpec(task_id, task_dir, root / "logs" / f"{task_id}.attempt1.log")
+
+
+def write_task(task_dir: Path, **fields: object) -> None:
+    """Write the task message of the task in ``task_dir`` (named after it), ``fields`` changed."""
+    task = {
+        "campaign_dir": str(task_dir.parent),
+        "manifest": {},
+        "manifest_base_dir": str(task_dir.parent),
+        "member_id": task_dir.name,
+        "generation": 0,
+        "parent_id": None,
+        "parent_checkpoint": None,
+        "parent_digest": None,
+        "hyperparameters": {"lr": 1e-3},
+        "mutation": None,
+        "steps": 1,
+        "checkpoint": f"checkpoints/{task_dir.name}",
+    }
+    TaskMessage(**(task | fields)).write(task_dir / TASK_FILE)  # type: ignore[arg-type]
+
+
+def seen(outcome: Outcome) -> dict:
+    """What the fake member of ``outcome``'s task saw (``observed.json``); {} when none."""
+    return read_json(TASK_DIRS[outcome.task_id] / "observed.json") or {}
 
 
 def launcher(fake: Path, slots: int, **kwargs: object) -> LocalLauncher:
@@ -173,7 +209,7 @@ def every_outcome(
 def test_ok_returns_the_result(every_outcome) -> None:
     outcome = every_outcome[0]["ok"]
     assert (outcome.status, outcome.returncode) == ("ok", 0), outcome.detail
-    assert outcome.result is not None and outcome.result["id"] == "ok"
+    assert outcome.result is not None and outcome.result.member_id == "ok"
 
 
 def test_exit_code_names_the_code_and_shows_the_log(every_outcome) -> None:
@@ -220,7 +256,7 @@ def test_truncated_or_unsuccessful_result_is_bad_result(every_outcome) -> None:
     truncated, error = every_outcome[0]["truncated_result"], every_outcome[0]["error_result"]
     assert (truncated.status, truncated.result) == ("bad_result", None)
     assert error.status == "bad_result"
-    assert error.result == {"status": "error", "error": "diverged"}
+    assert error.result is None and "status ('error') is not 'ok'" in error.detail
     assert "'error'" in error.detail
 
 
@@ -266,13 +302,13 @@ def run_slow(fake: Path, root: Path, slots: int, **kwargs: object):
 
 def test_concurrency_is_bounded_by_slots(fake_member: Path, tmp_path: Path) -> None:
     outcomes, slots_of, elapsed = run_slow(fake_member, tmp_path, slots=2)
-    intervals = [(o.result["start"], o.result["end"]) for o in outcomes]
+    intervals = [(seen(o)["start"], seen(o)["end"]) for o in outcomes]
     assert overlaps(intervals) == 2
     assert set(slots_of.values()) == {0, 1}
     single = max(end - start for start, end in intervals)
     assert 2 * single <= elapsed < 3 * single + 1.0, (elapsed, single)
-    assert all(o.result["cuda_visible_devices"] == "" for o in outcomes)
-    assert all(o.result["argv"][0] == "--nproc=1" for o in outcomes)
+    assert all(seen(o)["cuda_visible_devices"] == "" for o in outcomes)
+    assert all(seen(o)["argv"][0] == "--nproc=1" for o in outcomes)
 
 
 def test_gpu_groups_and_ports_are_disjoint(fake_member: Path, tmp_path: Path) -> None:
@@ -281,14 +317,14 @@ def test_gpu_groups_and_ports_are_disjoint(fake_member: Path, tmp_path: Path) ->
     )
     groups = {0: "0,1", 1: "2,3"}
     for outcome in outcomes:
-        assert outcome.result["cuda_visible_devices"] == groups[slots_of[outcome.task_id]]
-    records = [(o.result["start"], o.result["end"], o.result) for o in outcomes]
+        assert seen(outcome)["cuda_visible_devices"] == groups[slots_of[outcome.task_id]]
+    records = [(seen(o)["start"], seen(o)["end"], seen(o)) for o in outcomes]
     for i, (start_a, end_a, a) in enumerate(records):
         for start_b, end_b, b in records[i + 1 :]:
             if start_a < end_b and start_b < end_a:  # ran at the same time
                 assert a["cuda_visible_devices"] != b["cuda_visible_devices"]
                 assert a["argv"][1] != b["argv"][1]
-    ports = {o.result["argv"][1] for o in outcomes}
+    ports = {seen(o)["argv"][1] for o in outcomes}
     assert ports <= {"--port=29700", "--port=29710"}
 
 
@@ -304,9 +340,9 @@ def test_members_per_gpu_share_a_gpu_group_with_ports_of_their_own(
     assert [o.status for o in outcomes] == ["ok"] * 4
     for outcome in outcomes:
         expected = "5" if slots_of[outcome.task_id] < 2 else "7"
-        assert outcome.result["cuda_visible_devices"] == expected
-    assert overlaps([(o.result["start"], o.result["end"]) for o in outcomes]) == 4
-    assert len({o.result["argv"][1] for o in outcomes}) == 4  # a port each
+        assert seen(outcome)["cuda_visible_devices"] == expected
+    assert overlaps([(seen(o)["start"], seen(o)["end"]) for o in outcomes]) == 4
+    assert len({seen(o)["argv"][1] for o in outcomes}) == 4  # a port each
     with pytest.raises(ValueError, match="members_per_gpu"):
         launcher(fake_member, 5, gpus_per_member=1, gpu_ids=[5, 7], members_per_gpu=2)
 
@@ -318,7 +354,7 @@ def test_busy_port_is_skipped(fake_member: Path, tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         task = make_task(tmp_path, "t", "ok")
         [outcome] = launcher(fake_member, 1, base_port=port).run([task])
-    assert outcome.result["argv"][1] == f"--port={port + 1}"
+    assert seen(outcome)["argv"][1] == f"--port={port + 1}"
 
 
 def test_env_is_inherited_without_mlflow_run_id(
@@ -327,8 +363,8 @@ def test_env_is_inherited_without_mlflow_run_id(
     monkeypatch.setenv("MLFLOW_RUN_ID", "the-controller-run")
     task = make_task(tmp_path, "t", "ok")
     [outcome] = launcher(fake_member, 1, env={"PBT_TEST_EXTRA": "x"}).run([task])
-    assert outcome.result["mlflow_run_id"] is None
-    assert outcome.result["extra"] == "x"
+    assert seen(outcome)["mlflow_run_id"] is None
+    assert seen(outcome)["extra"] == "x"
 
 
 # --- attempts, interruption, validation --------------------------------------------------------
@@ -336,17 +372,25 @@ def test_env_is_inherited_without_mlflow_run_id(
 
 def test_stale_files_of_a_previous_attempt_are_ignored(fake_member: Path, tmp_path: Path) -> None:
     task = make_task(tmp_path, "t", "no_result")
-    write_json_atomic(task.task_dir / "result.json", {"status": "ok", "stale": True})
+    write_stale_result(task.task_dir)
     [outcome] = launcher(fake_member, 1).run([task])
     assert outcome.status == "no_result"
 
     failing = make_task(tmp_path, "u", "exit1")
     (failing.task_dir / "heartbeat").touch()
-    write_json_atomic(failing.task_dir / "result.json", {"status": "ok"})
+    write_stale_result(failing.task_dir)
     [outcome] = launcher(fake_member, 1).run([failing])
     assert outcome.status == "failed"
     assert not (failing.task_dir / "heartbeat").exists()
     assert not (failing.task_dir / "result.json").exists()
+
+
+def write_stale_result(task_dir: Path) -> None:
+    """An ok result left by an earlier attempt of the task in ``task_dir``."""
+    ResultMessage(
+        status="ok", member_id=task_dir.name, fitness=0.0, steps=1,
+        checkpoint=f"checkpoints/{task_dir.name}", digest="d", metrics={}, history=[],
+    ).write(task_dir / RESULT_FILE)  # fmt: skip
 
 
 def test_interrupt_kills_every_running_task(fake_member: Path, tmp_path: Path) -> None:
@@ -431,7 +475,7 @@ SERVING_MEMBER = textwrap.dedent(
     from threading import Thread
 
     from pbt.protocol.files import Heartbeat, read_json, write_json_atomic
-    from pbt.worker.task import _next_entry
+    from pbt.worker.serve import next_entry as _next_entry
 
     folder = Path(sys.argv[sys.argv.index("--serve") + 1])
     served = 0
@@ -442,7 +486,7 @@ SERVING_MEMBER = textwrap.dedent(
         served += 1
         task_path = Path(entry["task"])
         task = read_json(task_path)
-        behaviour = task["behaviour"]
+        behaviour = (task_path.parent / "behaviour").read_text()
         if behaviour == "hang":
             time.sleep(600)
         began = time.time()
@@ -452,11 +496,17 @@ SERVING_MEMBER = textwrap.dedent(
                 sys.exit(1)
             time.sleep(7.0 if behaviour == "slow" else 0.05)
             after = folder / "inbox" / f"{served:06d}.json"
-            result = {"status": "ok", "pid": os.getpid(), "served": served, "began": began,
-                      "next_handed_over": after.exists(), "checkpoint": task.get("checkpoint")}
+            write_json_atomic(task_path.parent / "observed.json", {
+                "pid": os.getpid(), "served": served, "began": began,
+                "next_handed_over": after.exists()})
+            named = task_path.parent / "digest"
+            digest = named.read_text() if named.exists() else "d"
+            result = {"status": "ok", "member_id": task["member_id"], "fitness": 0.0,
+                      "steps": task["steps"], "checkpoint": task["checkpoint"],
+                      "digest": digest, "metrics": {}, "history": []}
             if behaviour == "release":  # the result now, the "checkpoint" in the background
-                write_json_atomic(task_path.parent / "released", result)
-                done, digest = task_path.parent / "result.json", task.get("digest", "d")
+                write_json_atomic(task_path.parent / "released", {**result, "digest": None})
+                done = task_path.parent / "result.json"
                 Thread(target=lambda r=result, d=done, g=digest: (time.sleep(1.0),
                        write_json_atomic(d, {**r, "digest": g}))).start()
                 continue
@@ -467,7 +517,7 @@ SERVING_MEMBER = textwrap.dedent(
 
 def serving_launcher(tmp_path: Path, slots: int = 1):
     """``slots`` slots (default one) of long-lived workers running SERVING_MEMBER."""
-    from pbt.launch.local import PersistentLauncher
+    from pbt.launch.persistent import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
     script.write_text(SERVING_MEMBER)
@@ -494,11 +544,11 @@ def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tm
     assert [o.status for o in outcomes] == [
         "ok", "ok", "ok", "failed", "ok", "no_heartbeat", "ok",
     ]  # fmt: skip
-    served = [(o.result or {}).get("pid") for o in outcomes]
+    served = [seen(o).get("pid") for o in outcomes]
     assert served[0] == served[1] == served[2]  # one worker served the first three
-    assert [o.result["served"] for o in outcomes[:3]] == [1, 2, 3]
+    assert [seen(o)["served"] for o in outcomes[:3]] == [1, 2, 3]
     assert len({served[0], served[4], served[6]}) == 3  # a fresh worker after each fault
-    assert outcomes[4].result["served"] == 1 and outcomes[6].result["served"] == 1
+    assert seen(outcomes[4])["served"] == 1 and seen(outcomes[6])["served"] == 1
     assert "exit code 1" in outcomes[3].detail
     assert "no heartbeat" in outcomes[5].detail
     assert wait_dead(worker.pid)
@@ -521,9 +571,9 @@ def test_long_lived_worker_gets_its_next_task_ahead_with_clocks_that_wait(tmp_pa
     finally:
         workers.close()
     assert [o.status for o in outcomes] == ["ok", "ok", "ok"]
-    assert len({o.result["pid"] for o in outcomes}) == 1
-    assert outcomes[0].result["next_handed_over"]  # t1's entry was there before t0 ended
-    assert not outcomes[2].result["next_handed_over"]
+    assert len({seen(o)["pid"] for o in outcomes}) == 1
+    assert seen(outcomes[0])["next_handed_over"]  # t1's entry was there before t0 ended
+    assert not seen(outcomes[2])["next_handed_over"]
     assert (["t0-slow"], ["t1-ok", "t2-ok"]) in polls  # t1 handed over, not yet taken
     assert outcomes[1].seconds < 5.0  # its clock started when t0 ended, not at hand-over
 
@@ -548,7 +598,7 @@ def test_the_next_calls_tasks_start_while_the_last_results_are_written(tmp_path,
         outcomes = workers.run(first, on_released=on_released)
         returned = time.time()
         if changed:
-            write_json_atomic(second[0].task_dir / "task.json", {"behaviour": "ok", "v": 2})
+            write_task(second[0].task_dir, steps=2)
         later = workers.run(second)
         kept = workers.kept_ahead
     finally:
@@ -556,15 +606,15 @@ def test_the_next_calls_tasks_start_while_the_last_results_are_written(tmp_path,
     assert [o.status for o in outcomes + later] == ["ok"] * 4
     (results,) = calls  # once, with every result, the released ones without a digest
     assert set(results) == {"a0", "a1"}
-    assert results["a1"].get("digest") is None and outcomes[1].result["digest"] == "d"
-    pid = outcomes[0].result["pid"]
+    assert results["a1"].digest is None and outcomes[1].result.digest == "d"
+    pid = seen(outcomes[0])["pid"]
     if changed:
-        assert kept == [] and later[0].result["pid"] != pid
-        assert later[0].result["served"] == 1  # a fresh worker
+        assert kept == [] and seen(later[0])["pid"] != pid
+        assert seen(later[0])["served"] == 1  # a fresh worker
     else:
-        assert kept == ["b0"] and later[0].result["pid"] == pid
-        assert later[0].result["began"] < returned  # behind the writes, before run() returned
-        assert [o.result["served"] for o in later] == [3, 4]  # each started once
+        assert kept == ["b0"] and seen(later[0])["pid"] == pid
+        assert seen(later[0])["began"] < returned  # behind the writes, before run() returned
+        assert [seen(o)["served"] for o in later] == [3, 4]  # each started once
 
 
 @pytest.mark.parametrize("digest", ["as written", "another"])
@@ -577,22 +627,20 @@ def test_a_child_of_a_parent_being_written_starts_on_the_worker_writing_it(tmp_p
     first = []
     for name in ("a0", "a1"):
         first.append(make_task(tmp_path, name, "release"))
-        task = {"behaviour": "release", "checkpoint": f"checkpoints/{name}", "digest": f"d{name}"}
-        write_json_atomic(first[-1].task_dir / "task.json", task)
+        (first[-1].task_dir / "digest").write_text(f"d{name}")
     second = {}
     for name, parent in (("b0", "a1"), ("b1", "a0"), ("b2", "zz")):
-        second[name] = make_task(tmp_path, name, "ok")
-        task = {"behaviour": "ok", "parent_checkpoint": f"checkpoints/{parent}"}
-        write_json_atomic(second[name].task_dir / "task.json", {**task, "parent_digest": None})
+        second[name] = make_task(tmp_path, name, "ok", parent_checkpoint=f"checkpoints/{parent}")
     try:
         outcomes = workers.run(first, on_released=lambda _: list(second.values()))
         returned = time.time()
         handed = workers.handed_ahead()
         for name, parent in (("b0", "a1"), ("b1", "a0")):  # as the committed generation names them
             written = f"d{parent}" if digest == "as written" or name == "b1" else digest
-            task = {"behaviour": "ok", "parent_checkpoint": f"checkpoints/{parent}"}
-            write_json_atomic(
-                second[name].task_dir / "task.json", {**task, "parent_digest": written}
+            write_task(
+                second[name].task_dir,
+                parent_checkpoint=f"checkpoints/{parent}",
+                parent_digest=written,
             )
         later = workers.run(list(second.values()))
         kept = workers.kept_ahead
@@ -600,21 +648,21 @@ def test_a_child_of_a_parent_being_written_starts_on_the_worker_writing_it(tmp_p
         workers.close()
     assert [o.status for o in outcomes + later] == ["ok"] * 5
     assert handed == {"b0", "b1"}  # b2's parent is written by no worker
-    pid = {o.task_id: o.result["pid"] for o in outcomes + later}
-    assert pid["b1"] == pid["a0"] and later[1].result["began"] < returned
+    pid = {o.task_id: seen(o)["pid"] for o in outcomes + later}
+    assert pid["b1"] == pid["a0"] and seen(later[1])["began"] < returned
     if digest == "as written":
         assert sorted(kept) == ["b0", "b1"]
-        assert pid["b0"] == pid["a1"] and later[0].result["began"] < returned
+        assert pid["b0"] == pid["a1"] and seen(later[0])["began"] < returned
     else:  # b0's parent is not the state its worker wrote: a fresh start on a fresh worker
         assert kept == ["b1"]
-        assert later[0].result["began"] > returned and later[0].result["served"] == 1
+        assert seen(later[0])["began"] > returned and seen(later[0])["served"] == 1
 
 
 def test_a_worker_that_fails_before_its_task_leaves_its_traceback_in_the_tasks_log(tmp_path):
     """A long-lived worker that dies before it takes its task (torchrun's agent failing to
     bind, say) writes its traceback to its own log, which the slot's next worker replaces: the
     task's log, the one the fault names, gets its last lines."""
-    from pbt.launch.local import PersistentLauncher
+    from pbt.launch.persistent import PersistentLauncher
 
     crash = "raise OSError(98, 'Address already in use (EADDRINUSE)')"
     workers = PersistentLauncher(

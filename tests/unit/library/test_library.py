@@ -16,6 +16,7 @@ from support import DRIVERS, REPO, run_torchrun, small_sections
 from pbt import GRPO, create_population, train_population
 from pbt.algorithms.runtime.checkpoint import load_checkpoint
 from pbt.config.errors import ConfigError, PbtError
+from pbt.protocol.messages import TaskMessage
 from pbt.worker.task import run_task
 
 
@@ -206,19 +207,20 @@ def test_library_checkpoint_resumes_exactly(tmp_path):
 
 
 def _task(tmp_path, campaign, member_id, parent, hyperparameters, steps=1):
-    return {
-        "campaign_dir": str(campaign),
-        "manifest": small_sections(tmp_path),
-        "manifest_base_dir": str(tmp_path),
-        "member_id": member_id,
-        "parent_checkpoint": parent,
-        "parent_id": None,
-        "generation": 1,
-        "mutation": "none",
-        "hyperparameters": hyperparameters,
-        "steps": steps,
-        "checkpoint": f"checkpoints/{member_id}",
-    }
+    return TaskMessage(
+        campaign_dir=str(campaign),
+        manifest=small_sections(tmp_path),
+        manifest_base_dir=str(tmp_path),
+        member_id=member_id,
+        parent_checkpoint=parent,
+        parent_digest=None,
+        parent_id=None,
+        generation=1,
+        mutation="none",
+        hyperparameters=hyperparameters,
+        steps=steps,
+        checkpoint=f"checkpoints/{member_id}",
+    )
 
 
 def test_checkpoints_move_between_library_and_campaign(tmp_path):
@@ -234,7 +236,7 @@ def test_checkpoints_move_between_library_and_campaign(tmp_path):
     result, _ = run_task(
         _task(tmp_path, campaign, "g001-m00", "checkpoints/from-library", agent.hyperparameters)
     )
-    assert result["status"] == "ok" and result["steps"] == 2
+    assert result.status == "ok" and result.steps == 2
     # campaign -> library: an agent becomes the campaign's member
     trained = load_checkpoint(campaign / "checkpoints" / "g001-m00")
     other = _population(tmp_path, size=1)[0]

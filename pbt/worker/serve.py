@@ -1,0 +1,183 @@
+"""The long-lived worker: tasks handed to its inbox, run one after another on one model loaded
+once, each checkpoint written in the background while the next task trains.
+
+    torchrun --nproc_per_node=N -m pbt.worker --serve <slot_folder>
+
+The launcher's side of the same folder is :class:`pbt.launch.persistent.PersistentLauncher`; one task
+is :mod:`pbt.worker.task`; the states this worker keeps for its members' children are
+:mod:`pbt.worker.cache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pbt.protocol import faults
+from pbt.protocol.files import RELEASED, Heartbeat, read_json
+from pbt.protocol.messages import RESULT_FILE, MessageError, ResultMessage, TaskMessage
+from pbt.worker import cache
+from pbt.worker.task import Served, failed, finish_task, start_task
+
+
+def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) -> int:
+    """Run the tasks handed to ``folder/inbox`` in order, on one model loaded once.
+
+    Every rank reads the same inbox, so the group agrees on each task without a collective
+    while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
+    ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
+    ``result.json``, from a background thread while the next task trains; the task heartbeats
+    until its result is written. At most one write is in flight. When the next task is already
+    handed over, the write starts once that task has loaded its member: the write's first
+    steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
+    member, which nothing overlaps. Ends on a ``stop`` file, when the folder is gone, or after
+    ``idle_timeout_s`` without a task, in each case after the write in flight. A task that
+    fails ends the worker (exit 2), since its ranks may be out of step; so does a failed write
+    (the task in training then fails with it, and is retried). Each rank also ends (exit 3, at
+    once) within a second or two of its controller's death
+    (:func:`pbt.protocol.controller.watch_controller`, started by :func:`pbt.worker.main.main`).
+    """
+    from pbt.distributed import shutdown
+
+    rank = int(os.environ.get("RANK", 0))
+    host, taken, writing = None, 0, None
+    ahead = cache.ParentAhead(folder) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
+    try:
+        while True:
+            if writing is not None and not (folder / "inbox" / f"{taken:06d}.json").exists():
+                writing.go()  # no task waits to load a member: nothing for the write to slow
+            entry = next_entry(folder, taken, idle_timeout_s, poll_s)
+            if entry is None:
+                return 0
+            taken += 1
+            task_path = Path(entry["task"])
+            try:
+                task = TaskMessage.read(task_path)
+            except MessageError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            if task is None:
+                print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
+                return 2
+            if ahead is not None:
+                ahead.number = taken  # the entry after this one
+            beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else None
+            with contextlib.ExitStack() as stack:
+                if beat is not None:
+                    stack.enter_context(beat)
+                with _output_to(entry["log"], rank == 0):
+                    try:
+                        served = Served(
+                            ahead,
+                            loaded=writing.go if writing is not None else None,
+                            writing=writing.write if writing is not None else None,
+                        )
+                        result, host, write = start_task(task, host, beat, served)
+                    except BaseException as err:
+                        if not failed(task_path.parent, err):
+                            raise
+                        return 2
+                if rank == 0:
+                    if writing is not None:
+                        writing.finish()
+                    # the write owns the heartbeat from here on, till the result is written
+                    writing = _Writer(
+                        task_path.parent, entry["log"], result, write, stack.pop_all()
+                    )
+    finally:
+        if writing is not None:
+            writing.finish()
+        shutdown()
+
+
+class _Writer(threading.Thread):
+    """Writes a served task's checkpoint, then its ``result.json``, in the background, and
+    keeps its state in the worker's cache; on failure reports the fault
+    (:mod:`pbt.protocol.faults`) and ends the worker with exit 2."""
+
+    def __init__(
+        self,
+        task_dir: Path,
+        log: str,
+        result: ResultMessage,
+        write: Any,
+        heartbeat: contextlib.ExitStack,
+    ) -> None:
+        super().__init__(name="pbt-checkpoint-writer", daemon=True)
+        self.task_dir, self.log, self.result = task_dir, log, result
+        self.write, self.heartbeat = write, heartbeat
+        # the result but the checkpoint's digest: the controller may choose the next generation
+        # from it while the write runs (the task ends when result.json arrives)
+        result.write(task_dir / RELEASED, durable=False)
+
+    def go(self) -> None:
+        """Start the write (once)."""
+        if self.ident is None:
+            self.start()
+
+    def finish(self) -> None:
+        """Start the write if it has not started, and wait for its end."""
+        self.go()
+        self.join()
+
+    def run(self) -> None:
+        try:
+            with self.heartbeat:
+                result = finish_task(self.result, self.write)
+                snapshot = self.write
+                if snapshot is not None and snapshot.cache_as is not None and result.digest:
+                    cache.STATES.put(
+                        snapshot.cache_as,
+                        result.digest,
+                        snapshot.attributes,
+                        snapshot.nbytes(),
+                        on_device=snapshot.on_device,
+                    )
+                if snapshot is not None:
+                    snapshot.on_device = None  # kept by the cache alone, if at all
+                result.write(self.task_dir / RESULT_FILE)
+        except BaseException as err:
+            kind = faults.report(self.task_dir, err, exit_code=2)
+            with contextlib.suppress(OSError), open(self.log, "a") as f:
+                traceback.print_exc(file=f)
+                what = kind.replace("_", " ") if kind else "writing the checkpoint failed"
+                print(f"error: {what}: {err}", file=f)
+            os._exit(2)
+
+
+def next_entry(
+    folder: Path, number: int, idle_timeout_s: float, poll_s: float
+) -> dict[str, Any] | None:
+    """Wait for inbox entry ``number`` (``{"task": path, "log": path}``); None when the worker
+    should stop."""
+    path = folder / "inbox" / f"{number:06d}.json"
+    deadline = time.monotonic() + idle_timeout_s
+    while time.monotonic() < deadline:
+        if (folder / "stop").exists() or not folder.is_dir():
+            return None
+        entry = read_json(path)
+        if entry is not None:
+            return entry
+        time.sleep(poll_s)
+    return None
+
+
+@contextlib.contextmanager
+def _output_to(log: str, enabled: bool) -> Iterator[None]:
+    """This rank's prints go to the task's log while the task runs."""
+    if not enabled:
+        yield
+        return
+    with (
+        open(log, "a", buffering=1) as f,
+        contextlib.redirect_stdout(f),
+        contextlib.redirect_stderr(f),
+    ):
+        yield
