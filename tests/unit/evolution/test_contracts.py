@@ -33,6 +33,11 @@ SELECTIONS = {
     "tournament-windowed": {"tournament_size": 3, "elitism": True, "fitness_window": 2},
     "truncation": {"selection": "truncation"},
     "truncation-gap": {"selection": "truncation", "truncation_fraction": 0.5, "exploit_gap": 0.05},
+    "multi-frequency": {
+        "selection": "multi_frequency",
+        "subpopulations": 2,
+        "brackets": [2, 0, 1, 1],
+    },
 }
 """Every selection the manifest can name, in the settings that change what it does."""
 
@@ -136,6 +141,9 @@ EXPLORES: dict[str, Callable[[list[MemberRecord]], Mutations | PB2Explore]] = {
     ),
     "perturb-elite": lambda done: build_mutations(
         _manifest({}, mutation={"ranges": RANGES, "mutate_elite": True, "no_mutation": 0.0})
+    ),
+    "perturb-all": lambda done: build_mutations(
+        _manifest({}, mutation={"ranges": RANGES, "perturb": "all", "resample_probability": 0.25})
     ),
     "pb2": lambda done: build_pb2(
         _manifest({"selection": "truncation"}, search={"strategy": "pb2"}), done, 1
