@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from pbt.config.agilerl_rules import INIT_HP_RULES, Outcome
+from pbt.config.agilerl.rules import INIT_HP_RULES, Outcome
 
 
 def _to(path: str) -> Callable[[Any], Outcome]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any
 
-from pbt.config.agilerl_rules import INIT_HP_RULES, Translation
+from pbt.config.agilerl.rules import INIT_HP_RULES, Translation
 from pbt.config.task import HUB_PREFIX
 
 _FIELDS = {"question": "question_field", "answer": "answer_field", "prompt": "prompt_field",

@@ -18,8 +18,8 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from pbt.config.agilerl_env import translate_environment, translate_network
-from pbt.config.agilerl_rules import (
+from pbt.config.agilerl.env import translate_environment, translate_network
+from pbt.config.agilerl.rules import (
     INIT_HP_RULES,
     MUTATION_RULES,
     RANGE_NAMES,
