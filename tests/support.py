@@ -256,3 +256,50 @@ def run_torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
+
+
+EXPLORE_CAMPAIGN = {
+    "INIT_HP": {"EVO_STEPS": 2, "LR": 1e-4},
+    "mutation": {
+        "ranges": {
+            "lr": {"min": 1e-5, "max": 1e-1, "log": True, "grow_factor": 1.25},
+            "temperature": {"min": 0.3, "max": 1.5, "grow_factor": 1.25},
+        },
+        "no_mutation": 0.0,
+        "rl_hp": 1.0,
+        "perturb": "all",
+        "resample_probability": 0.25,
+    },
+    "budget": {"generations": 5},
+    "population": {"size": 6, "selection": "truncation", "init_sampler": "random"},
+    "launch": {"slots": 3, "persistent_workers": False},
+    "training": {"seed": 11},
+    "tracking": {"enabled": False},
+}
+"""A fake-member campaign whose copies perturb every searched hyperparameter (``perturb: all``)
+and resample a quarter of them."""
+
+
+def members(directory: Path) -> list:
+    """A campaign's member records, from its store."""
+    with CampaignStore(directory / "store.db") as store:
+        return store.members()
+
+
+def killed_and_resumed(manifest: Path, directory: Path) -> Path:
+    """Run ``manifest``'s fake-member campaign in ``directory``, SIGKILL its controller
+    mid-generation 3, resume it to its end; returns ``directory``."""
+    from pbt.controller.campaign import Campaign
+
+    proc = start_campaign(manifest, directory, FAKE, 0.3, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while not (directory / "tasks" / "g003-m01" / "heartbeat").exists():  # mid-generation 3
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = Campaign.resume(directory, member_command=FAKE)
+    resumed.say = lambda *_: None
+    resumed.run()
+    resumed.close()
+    return directory

@@ -97,8 +97,9 @@ def test_a_dry_run_of_one_seed(tmp_path) -> None:
 @pytest.mark.integration
 def test_the_best_members_trajectory_is_one_value_set_per_generation(tmp_path) -> None:
     """The schedule replay's input, read from a real campaign's store (the fake member)."""
-    from support import write_manifest
-    from test_explore import FAKE, MANIFEST, _members
+    from support import EXPLORE_CAMPAIGN as MANIFEST
+    from support import FAKE, write_manifest
+    from support import members as _members
 
     from pbt.controller.campaign import Campaign
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from support import DRIVERS, MlflowServer, start_campaign, write_manifest
+from support import DRIVERS, MlflowServer, killed_and_resumed, write_manifest
 
 from pbt.controller.campaign import Campaign
 from pbt.controller.store import CampaignStore
@@ -43,23 +40,6 @@ def _run(tmp_path: Path, name: str, **changes) -> Path:
     finally:
         campaign.close()
     return tmp_path / name
-
-
-def _killed_and_resumed(manifest: Path, directory: Path) -> Path:
-    """Run ``manifest``'s campaign in ``directory``, SIGKILL its controller mid-generation 3,
-    resume it to its end; returns ``directory``."""
-    proc = start_campaign(manifest, directory, FAKE, 0.3, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 90
-    while not (directory / "tasks" / "g003-m01" / "heartbeat").exists():  # mid-generation 3
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed = Campaign.resume(directory, member_command=FAKE)
-    resumed.say = lambda *_: None
-    resumed.run()
-    resumed.close()
-    return directory
 
 
 def _members(directory: Path):
@@ -165,7 +145,7 @@ def test_killed_optuna_campaign_resumes_to_the_same_trials(tmp_path):
     manifest = write_manifest(
         tmp_path / "killed.yaml", MANIFEST, search=search, budget={"generations": 6}
     )
-    directory = _killed_and_resumed(manifest, tmp_path / "killed")
+    directory = killed_and_resumed(manifest, tmp_path / "killed")
 
     def decisions(d):
         return [
@@ -202,7 +182,7 @@ def test_pb2_campaign_finds_the_peak_and_resumes_to_the_same_choices(tmp_path):
     assert sum(off_peak(m) for m in copies) / len(copies) < sum(initial) / len(initial) / 2
 
     manifest = write_manifest(tmp_path / "killed.yaml", MANIFEST, **changes)
-    directory = _killed_and_resumed(manifest, tmp_path / "killed")
+    directory = killed_and_resumed(manifest, tmp_path / "killed")
 
     def decisions(d):
         return [(m.member_id, m.parent_id, m.hyperparameters, m.mutation) for m in _members(d)]

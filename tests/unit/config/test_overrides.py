@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from support import write_manifest
-from test_campaign import FAKE, MANIFEST
+from support import FAKE, write_manifest
+from support import FAKE_CAMPAIGN as MANIFEST
 
 from pbt.cli.main import main
 from pbt.config import Manifest, manifest_from_dict

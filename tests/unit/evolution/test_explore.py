@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
-from support import DRIVERS, write_manifest
+from support import EXPLORE_CAMPAIGN, FAKE, killed_and_resumed, members, write_manifest
 
 from pbt.config.errors import ConfigError
 from pbt.config.ranges import HPRange
 from pbt.controller.campaign import Campaign
-from pbt.controller.store import CampaignStore
 from pbt.evolution.breeding import breed, selection_events
 from pbt.evolution.multi_frequency import MultiFrequencySelection
 from pbt.evolution.mutation import Mutations
@@ -173,30 +171,8 @@ def test_bad_multi_frequency_values_are_one_line_each(kwargs, words) -> None:
 
 # --- campaigns on the fake member ----------------------------------------------------------
 
-FAKE = [sys.executable, str(DRIVERS / "fake_member.py")]
-MANIFEST = {
-    "INIT_HP": {"EVO_STEPS": 2, "LR": 1e-4},
-    "mutation": {
-        "ranges": {
-            "lr": {"min": 1e-5, "max": 1e-1, "log": True, "grow_factor": 1.25},
-            "temperature": {"min": 0.3, "max": 1.5, "grow_factor": 1.25},
-        },
-        "no_mutation": 0.0,
-        "rl_hp": 1.0,
-        "perturb": "all",
-        "resample_probability": 0.25,
-    },
-    "budget": {"generations": 5},
-    "population": {"size": 6, "selection": "truncation", "init_sampler": "random"},
-    "launch": {"slots": 3, "persistent_workers": False},
-    "training": {"seed": 11},
-    "tracking": {"enabled": False},
-}
-
-
-def _members(directory: Path) -> list[MemberRecord]:
-    with CampaignStore(directory / "store.db") as store:
-        return store.members()
+MANIFEST = EXPLORE_CAMPAIGN
+_members = members
 
 
 def _decisions(directory: Path) -> list[tuple]:
@@ -204,15 +180,13 @@ def _decisions(directory: Path) -> list[tuple]:
 
 
 def _straight_and_resumed(tmp_path: Path, **changes) -> tuple[Path, Path]:
-    from test_campaign_search import _killed_and_resumed
-
     path = write_manifest(tmp_path / "straight.yaml", MANIFEST, **changes)
     straight = Campaign.start(path, tmp_path / "straight", member_command=FAKE)
     straight.say = lambda *_: None
     straight.run()
     straight.close()
     killed = write_manifest(tmp_path / "killed.yaml", MANIFEST, **changes)
-    return tmp_path / "straight", _killed_and_resumed(killed, tmp_path / "killed")
+    return tmp_path / "straight", killed_and_resumed(killed, tmp_path / "killed")
 
 
 @pytest.mark.integration
