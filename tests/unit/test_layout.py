@@ -290,3 +290,20 @@ def test_controller_floors_load_no_torch_and_public_paths_resolve():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_tests_import_no_other_test_module():
+    """What tests share lives in tests/support.py: a test that imports another test module
+    works only when pytest happens to have collected that module first."""
+    offenders = []
+    for path in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/tests/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("test_")]
+    assert offenders == []
