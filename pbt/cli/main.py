@@ -43,6 +43,7 @@ from pbt.config.overrides import with_environment
 from pbt.controller.budget import FLAGS
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
+from pbt.protocol.logs import quiet_library_loggers
 from pbt.worker import train
 from pbt.worker.train import build_parser as train_parser
 from pbt.worker.train import default_manifest_path
@@ -373,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pbt`` console script."""
+    quiet_library_loggers()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

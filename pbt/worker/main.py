@@ -12,6 +12,7 @@ from pathlib import Path
 from pbt.protocol import faults
 from pbt.protocol.controller import watch_controller
 from pbt.protocol.files import Heartbeat
+from pbt.protocol.logs import quiet_library_loggers
 from pbt.protocol.messages import RESULT_FILE, MessageError, TaskMessage
 from pbt.worker.serve import serve
 from pbt.worker.task import failed, run_task
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one task, or serve tasks (see :class:`pbt.launch.persistent.PersistentLauncher`); the exit
     code: 0 done, 2 a reported fault or user error, 1 a bug, 3 the controller died."""
     argv = sys.argv[1:] if argv is None else argv
+    quiet_library_loggers()
     faults.keep_reserve()  # freed before a fault report, which may come at the memory limit
     watch_controller(_controller_gone)
     if argv[:1] == ["--serve"] and len(argv) in (2, 4):

@@ -25,6 +25,7 @@ from pathlib import Path
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
 from pbt.config.loader import load_manifest
+from pbt.protocol.logs import quiet_library_loggers
 from pbt.worker.stall import StallWatch
 
 
@@ -69,6 +70,7 @@ def resolve_manifest(args: argparse.Namespace) -> Manifest:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the entry point; returns the process exit code."""
+    quiet_library_loggers()
     args = build_parser().parse_args(argv)
     try:
         manifest = resolve_manifest(args)
