@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(daemon.note, flush=True)
         env.update(daemon.env)
     records = []
+    out = Path(args.out or ROOT / "bench" / "results" / f"async_rollouts_{args.device}.json")
     try:
         for mode in args.modes:
             cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
@@ -170,12 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
                 return 1
             records.append(json.loads(lines[-1][len("RECORD ") :]))
-            print(f"{mode}: {records[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+            print(table(records).splitlines()[-1], flush=True)  # each mode's row as it ends
+            out.write_text(json.dumps({"args": vars(args), "records": records}, indent=1))
     finally:
         if daemon is not None:
             daemon.stop()
-    out = Path(args.out or ROOT / "bench" / "results" / f"async_rollouts_{args.device}.json")
-    out.write_text(json.dumps({"args": vars(args), "records": records}, indent=1))
     print(table(records))
     print(f"wrote {out}")
     return 0
