@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pbt.config.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
+from pbt.config.sections.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
 from pbt.protocol.files import COMPLETE, build_once
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pbt.config.algorithm import RL_ALGORITHMS, AlgorithmConfig
-from pbt.config.campaign import (
+from pbt.config.rules import shown
+from pbt.config.sections.algorithm import RL_ALGORITHMS, AlgorithmConfig
+from pbt.config.sections.campaign import (
     BudgetConfig,
     LaunchConfig,
     MutationConfig,
@@ -21,11 +22,10 @@ from pbt.config.campaign import (
     SearchConfig,
     TrackingConfig,
 )
-from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
-from pbt.config.rollout import RolloutConfig, dedicated_problems
-from pbt.config.rules import shown
-from pbt.config.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
-from pbt.config.training import DistributedConfig, TrainingConfig
+from pbt.config.sections.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
+from pbt.config.sections.rollout import RolloutConfig, dedicated_problems
+from pbt.config.sections.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
+from pbt.config.sections.training import DistributedConfig, TrainingConfig
 
 
 @dataclass(kw_only=True, slots=True)

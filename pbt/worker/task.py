@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.canonical import manifest_from_canonical
 from pbt.config.errors import PbtError
+from pbt.config.read.canonical import manifest_from_canonical
 from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import Heartbeat

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pbt.config.env import EnvConfig
 from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
+from pbt.config.sections.env import EnvConfig
 
 
 @dataclass(kw_only=True, slots=True)

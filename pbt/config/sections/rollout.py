@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pbt.config.model import Dtype
 from pbt.config.rules import (
     PositiveFloat,
     PositiveInt,
@@ -14,6 +13,7 @@ from pbt.config.rules import (
     at_least_zero,
     bound_problems,
 )
+from pbt.config.sections.model import Dtype
 
 VLLM_OWN_KEYS = (
     "model",
