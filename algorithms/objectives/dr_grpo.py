@@ -23,10 +23,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pbt.algorithms import losses
 from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.objectives.grpo import per_token_loss
 
 AGGREGATION: Aggregation = "fixed-length"
+
+__all__ = ["AGGREGATION", "advantages", "centred_advantages", "per_token_loss"]
+# per_token_loss is GRPO's: PPO's clipped surrogate, dual-clipped when dual_clip is set
 
 
 def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -54,19 +57,3 @@ def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor
 def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
     """``r - mean(group)`` ``([N], has_signal [N] bool)``; ``eps`` is unused (no std)."""
     return centred_advantages(rewards, group_size)
-
-
-def per_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``, dual-clipped when
-    ``dual_clip`` is set; masked positions get ratio 1 (aggregation drops them)."""
-    return losses.clipped_surrogate(
-        logp, old_logp, advantages, clip_low, clip_high, mask=mask, dual_clip=dual_clip
-    )

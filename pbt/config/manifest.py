@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pbt.config.rules import shown
-from pbt.config.sections.algorithm import RL_ALGORITHMS, AlgorithmConfig
+from pbt.config.sections.algorithm import GROUP_ALGORITHMS, RL_ALGORITHMS, AlgorithmConfig
 from pbt.config.sections.campaign import (
     BudgetConfig,
     LaunchConfig,
@@ -161,7 +161,7 @@ class Manifest:
         if self.task.env is None:
             return []
         problems = []
-        if self.algorithm.name not in ("GRPO", "REINFORCE"):
+        if self.algorithm.name not in GROUP_ALGORITHMS:
             problems.append(
                 f"task.env trains with GRPO or REINFORCE (group-relative returns), not "
                 f"{self.algorithm.name}; set algorithm.name: GRPO, or use rows (task.train)"
