@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.losses import Aggregation, reward_groups
 from pbt.algorithms.objectives.grpo import per_token_loss
 
 AGGREGATION: Aggregation = "fixed-length"
@@ -42,13 +42,7 @@ def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor
     Returns:
         ``(advantages [N], has_signal [N] bool)``.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} is not a multiple of {group_size}"
-        )
-    grouped = rewards.float().view(-1, group_size)  # [P, G]
-    spread = grouped.max(dim=1, keepdim=True).values - grouped.min(dim=1, keepdim=True).values
-    has_signal = (spread > 0).expand_as(grouped)
+    grouped, has_signal = reward_groups(rewards, group_size)  # [P, G] each
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     advantages = torch.where(has_signal, centred, torch.zeros_like(grouped))
     return advantages.reshape(-1), has_signal.reshape(-1)

@@ -201,8 +201,7 @@ class Manifest:
                 f"task.train ({shown(task.train)}) has no reward: your own rows need task.reward "
                 "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             )
-        for i, ref in enumerate(task.reward_refs()):
-            where = "task.reward" if task.reward is not None else f"task.rewards[{i}]"
+        for where, ref in zip(task.reward_keys(), task.reward_refs(), strict=True):
             if ref.file.endswith(".py") and "\0" not in ref.file:
                 problems += ref.check_source(base, where)
         return problems

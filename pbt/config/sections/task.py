@@ -186,6 +186,13 @@ class TaskConfig:
         """The user's rewards, whichever key named them."""
         return [self.reward] if self.reward is not None else list(self.rewards)
 
+    def reward_keys(self) -> list[str]:
+        """The manifest key of each of :meth:`reward_refs`, as problems name it:
+        ``task.reward``, or ``task.rewards[i]``."""
+        if self.reward is not None:
+            return ["task.reward"]
+        return [f"task.rewards[{i}]" for i in range(len(self.rewards))]
+
     def check(self, prefix: str) -> list[str]:
         problems = bound_problems(self, prefix)
         if not 0.0 < self.eval_fraction < 1.0:
