@@ -37,9 +37,9 @@ from pbt.config import (
     OptimConfig,
     RolloutConfig,
 )
-from pbt.config.algorithm import INTEGER_HYPERPARAMETERS
 from pbt.config.errors import ConfigError, DivergedError
-from pbt.config.fsdp import FSDPConfig
+from pbt.config.sections.algorithm import INTEGER_HYPERPARAMETERS
+from pbt.config.sections.fsdp import FSDPConfig
 from pbt.distributed import all_reduce, world_info
 from pbt.distributed.fsdp import average_gradients, is_sharded, set_gradient_sync
 from pbt.distributed.state import (

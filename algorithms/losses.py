@@ -114,17 +114,27 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-4) -> tup
         ``(advantages [N], has_signal [N] bool)``; ``has_signal`` is False for every member of
         a group whose rewards are all equal (their advantages are 0).
     """
+    grouped, has_signal = reward_groups(rewards, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    advantages = torch.where(has_signal, (grouped - mean) / (std + eps), torch.zeros_like(grouped))
+    return advantages.reshape(-1), has_signal.reshape(-1)
+
+
+def reward_groups(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """``rewards`` ``[N]`` as groups ``[P, G]`` (float) and ``has_signal`` ``[P, G]``: False
+    for every member of a group whose rewards are all equal.
+
+    Raises:
+        ValueError: ``rewards`` is not one-dimensional, or not a multiple of ``group_size``.
+    """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(
             f"rewards of shape {tuple(rewards.shape)} is not a multiple of {group_size}"
         )
     grouped = rewards.float().view(-1, group_size)  # [P, G]
-    mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, keepdim=True, unbiased=False)
     spread = grouped.max(dim=1, keepdim=True).values - grouped.min(dim=1, keepdim=True).values
-    has_signal = (spread > 0).expand_as(grouped)
-    advantages = torch.where(has_signal, (grouped - mean) / (std + eps), torch.zeros_like(grouped))
-    return advantages.reshape(-1), has_signal.reshape(-1)
+    return grouped, (spread > 0).expand_as(grouped)
 
 
 def token_advantages(advantages: Tensor) -> Tensor:

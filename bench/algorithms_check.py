@@ -12,7 +12,7 @@ import time
 import torch
 
 from pbt.algorithms.runtime.member import Member
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 VARIANTS = {
     "grpo": {"loss": "grpo"},

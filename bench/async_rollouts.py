@@ -59,7 +59,7 @@ def manifest_for(args: argparse.Namespace, mode: str):
     """The benchmark's manifest for ``mode``."""
     import yaml
 
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     data = yaml.safe_load(MANIFEST.read_text())
     data["model"]["name"] = args.model

@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     from pbt.algorithms.rollout.hf import RolloutBatch
     from pbt.algorithms.runtime.models import add_lora
     from pbt.config import AlgorithmConfig, LoRAConfig, OptimConfig, RolloutConfig
-    from pbt.config.fsdp import FSDPConfig
+    from pbt.config.sections.fsdp import FSDPConfig
     from pbt.distributed import all_reduce, init_process_group, shutdown, world_info
     from pbt.distributed.fsdp import shard_model
     from pbt.distributed.state import gather_optimizer, gather_parameters

@@ -66,7 +66,7 @@ def measure(game: str, dry_run: bool, steps: int, eval_every: int, engine: str) 
 
     from pbt.algorithms.envs.episodes import episode_figures
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     manifest = manifest_from_dict(sections(game, dry_run, steps, engine))
     member = Member(manifest, torch.device(manifest.training.device))

@@ -279,7 +279,7 @@ def run_campaigns(
 
 
 def _finished(manifest: dict, directory: Path) -> bool:
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     if not (directory / "finished.json").exists():
         return False
@@ -380,7 +380,7 @@ def best_member_reward(directory: Path, problems: list[tuple[str, str]]) -> dict
 
     from pbt.algorithms.data.tasks import Example
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
     from pbt.controller.store import STORE_FILENAME, CampaignStore
 
     with CampaignStore(directory / STORE_FILENAME) as store:

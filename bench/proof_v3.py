@@ -226,7 +226,7 @@ def _member(manifest_dict: dict, base_dir: str):
     import torch
 
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     manifest = manifest_from_dict(manifest_dict, base_dir=base_dir)
     key = json.dumps([manifest_dict[k] for k in ("model", "lora", "task")], sort_keys=True)
@@ -274,7 +274,7 @@ def scheduled_run(
     import torch
 
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     manifest = manifest_from_dict(one, base_dir=".")
     member = Member(manifest, torch.device(manifest.training.device))

@@ -250,7 +250,7 @@ def load_worker(directory: Path, member_id: str, out: Path) -> None:
 
     from pbt.algorithms.runtime.checkpoint import peft_key
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
     from pbt.distributed import pick_device, shutdown, world_info
     from pbt.distributed.state import gather_parameters
 

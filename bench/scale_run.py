@@ -68,7 +68,7 @@ def build_sharded(config, device, dtype, lora_r: int):
 
     from pbt.algorithms.runtime.models import add_lora
     from pbt.config import LoRAConfig
-    from pbt.config.fsdp import FSDPConfig
+    from pbt.config.sections.fsdp import FSDPConfig
     from pbt.distributed.fsdp import shard_model
 
     with torch.device("meta"):

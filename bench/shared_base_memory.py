@@ -48,7 +48,7 @@ def run_mode(mode: str, model_dir: str, members: int, device: str) -> dict:
     from transformers.utils import logging as hf_logging
 
     from pbt.algorithms.runtime.member import Member
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
     from pbt.library.create import create_population
 
     hf_logging.set_verbosity_error()

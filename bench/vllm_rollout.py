@@ -50,7 +50,7 @@ def main() -> None:
     from pbt.algorithms.rollout.hf import generate
     from pbt.algorithms.rollout.vllm import Request
     from pbt.algorithms.runtime.shared_base import SharedBase
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ config floor. ``FSDPConfig`` is re-exported here, where users of FSDP look for i
 group's names come from :mod:`pbt.distributed.process_group` on first use.
 """
 
-from pbt.config.fsdp import FSDPConfig
+from pbt.config.sections.fsdp import FSDPConfig
 
 _PROCESS_GROUP = (
     "CollectiveError", "WorldInfo", "all_gather_objects", "all_reduce", "barrier",

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 )
 
 from pbt.config.errors import ConfigError
-from pbt.config.fsdp import FSDPConfig
+from pbt.config.sections.fsdp import FSDPConfig
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -33,8 +33,8 @@ _EXPORTS = {
     "finetune_llm_multiturn": "pbt.agilerl.finetune",
     "RLParameter": "pbt.config.ranges",
     "HyperparameterConfig": "pbt.config.ranges",
-    "FSDPConfig": "pbt.config.fsdp",
-    "load_manifest": "pbt.config.loader",
+    "FSDPConfig": "pbt.config.sections.fsdp",
+    "load_manifest": "pbt.config.read.loader",
 }
 
 

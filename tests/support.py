@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from pbt.config import Manifest
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.store import CampaignStore
 
 TESTS = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pbt.config.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
+from pbt.config.sections.model import BUILTIN_MODEL, BUILTIN_MODEL_ARCHITECTURE
 from pbt.protocol.files import COMPLETE, build_once
 
 if TYPE_CHECKING:
@@ -225,8 +225,9 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path, **shape: object) 
 
     ``shape`` overrides the tiny model's config fields."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    from pbt.algorithms.runtime.checkpoint import save_weights
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
     architecture = {k: v for k, v in BUILTIN_MODEL_ARCHITECTURE.items() if k != "model_type"}
@@ -248,18 +249,6 @@ def _save_model(tokenizer: PreTrainedTokenizerBase, out: Path, **shape: object) 
     # trained model's, so the distribution can be sharpened. Untied, so input embeddings keep
     # their small scale (scaled tied embeddings make the model echo its last input token).
     torch.nn.init.normal_(model.lm_head.weight, std=HEAD_INIT_STD)
-    # Written directly: save_pretrained writes nothing on a rank other than 0 once a process
-    # group exists, and any rank of a member may be the one that builds the cache.
-    tensors, seen = {}, set()
-    for key, value in model.state_dict().items():
-        if value.data_ptr() in seen:  # a tied output head is the input embedding
-            continue
-        seen.add(value.data_ptr())
-        tensors[key] = value.contiguous()
-    save_file(
-        tensors,
-        out / "model.safetensors",
-        metadata={"format": "pt"},
-    )
+    save_weights(model, out)  # not save_pretrained: any rank may be the one that builds it
     config.save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)

@@ -23,7 +23,7 @@ from typing import Any
 from pbt.algorithms.data.rewards import RewardTerm
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
-from pbt.config.task import REASONING_GYM_PREFIX
+from pbt.config.sections.task import REASONING_GYM_PREFIX
 
 INSTALL = "pip install 'pbt-llm[tasks]'"
 RESERVED_OPTIONS = {"size": "train_size and eval_size", "seed": "training.seed"}

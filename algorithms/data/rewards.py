@@ -291,11 +291,7 @@ def build_reward(cfg: TaskConfig, base_dir: str | Path, default: RewardTerm | No
                 ]
             )
         return Reward([default], cfg.reward_timeout_s)
-    keys = (
-        ["task.reward"]
-        if cfg.reward is not None
-        else [f"task.rewards[{i}]" for i in range(len(refs))]
-    )
+    keys = cfg.reward_keys()
     names = _term_names(refs)
     terms = [
         RewardTerm(
@@ -404,11 +400,7 @@ def check_reward_terms(cfg: TaskConfig, base_dir: str | Path, row: Row | None) -
     as the completion returns a finite number. Runs the user's code, guarded as a member runs
     it; one problem per reward that fails, naming its key and ``file:function``."""
     refs = cfg.reward_refs()
-    keys = (
-        ["task.reward"]
-        if cfg.reward is not None
-        else [f"task.rewards[{i}]" for i in range(len(refs))]
-    )
+    keys = cfg.reward_keys()
     problems: list[str] = []
     terms: list[tuple[str, RewardTerm]] = []
     for ref, key, name in zip(refs, keys, _term_names(refs), strict=True):

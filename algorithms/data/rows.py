@@ -33,7 +33,7 @@ from pbt.algorithms.data.fields import (
 )
 from pbt.config import TaskConfig
 from pbt.config.errors import ConfigError
-from pbt.config.task import HUB_PREFIX
+from pbt.config.sections.task import HUB_PREFIX
 
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 """File extension -> the ``datasets`` builder that reads it."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from pbt.config import TaskConfig
-from pbt.config.task import StageConfig
+from pbt.config.sections.task import StageConfig
 
 
 class StagedRows(Sequence[Any]):

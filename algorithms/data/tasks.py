@@ -45,7 +45,7 @@ from pbt.algorithms.envs.episodes import Episodes
 from pbt.algorithms.envs.task import episode_seeds, episodes_for
 from pbt.config import RL_ALGORITHMS, TaskConfig
 from pbt.config.errors import ConfigError
-from pbt.config.task import REASONING_GYM_PREFIX
+from pbt.config.sections.task import REASONING_GYM_PREFIX
 
 
 @dataclass(frozen=True, slots=True)

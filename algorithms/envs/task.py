@@ -20,8 +20,8 @@ from pbt.algorithms.envs.builtin import BUILTIN_CLASSES
 from pbt.algorithms.envs.episodes import Episodes, env_max_turns
 from pbt.algorithms.envs.protocol import Guard
 from pbt.config import TaskConfig
-from pbt.config.env import EnvConfig
 from pbt.config.errors import ConfigError, EnvError
+from pbt.config.sections.env import EnvConfig
 
 IMPORT_TIMEOUTS = 10
 SEED_SPACE = 2**31

@@ -23,10 +23,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pbt.algorithms import losses
-from pbt.algorithms.losses import Aggregation
+from pbt.algorithms.losses import Aggregation, reward_groups
+from pbt.algorithms.objectives.grpo import per_token_loss
 
 AGGREGATION: Aggregation = "fixed-length"
+
+__all__ = ["AGGREGATION", "advantages", "centred_advantages", "per_token_loss"]
+# per_token_loss is GRPO's: PPO's clipped surrogate, dual-clipped when dual_clip is set
 
 
 def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -39,13 +42,7 @@ def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor
     Returns:
         ``(advantages [N], has_signal [N] bool)``.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} is not a multiple of {group_size}"
-        )
-    grouped = rewards.float().view(-1, group_size)  # [P, G]
-    spread = grouped.max(dim=1, keepdim=True).values - grouped.min(dim=1, keepdim=True).values
-    has_signal = (spread > 0).expand_as(grouped)
+    grouped, has_signal = reward_groups(rewards, group_size)  # [P, G] each
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     advantages = torch.where(has_signal, centred, torch.zeros_like(grouped))
     return advantages.reshape(-1), has_signal.reshape(-1)
@@ -54,19 +51,3 @@ def centred_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor
 def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
     """``r - mean(group)`` ``([N], has_signal [N] bool)``; ``eps`` is unused (no std)."""
     return centred_advantages(rewards, group_size)
-
-
-def per_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate per token ``([N, T] loss, [N, T] clipped)``, dual-clipped when
-    ``dual_clip`` is set; masked positions get ratio 1 (aggregation drops them)."""
-    return losses.clipped_surrogate(
-        logp, old_logp, advantages, clip_low, clip_high, mask=mask, dual_clip=dual_clip
-    )

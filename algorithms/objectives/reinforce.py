@@ -24,14 +24,12 @@ import torch
 from torch import Tensor
 
 from pbt.algorithms.losses import Aggregation, token_advantages
-from pbt.algorithms.objectives.dr_grpo import centred_advantages
+from pbt.algorithms.objectives.dr_grpo import advantages, centred_advantages
 
 AGGREGATION: Aggregation = "sequence-mean"
 
-
-def advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
-    """``r - mean(group)`` ``([N], has_signal [N] bool)``; ``eps`` is unused."""
-    return centred_advantages(rewards, group_size)
+__all__ = ["AGGREGATION", "advantages", "per_token_loss", "rloo_advantages"]
+# advantages are Dr. GRPO's: r - mean(group), no std
 
 
 def rloo_advantages(rewards: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
 
 from pbt.config.errors import CheckpointError
 from pbt.protocol.crash import delay_point, fault_point
@@ -49,6 +50,22 @@ FORMAT_VERSION = 1
 ATTRIBUTES = "attributes.pt"
 ADAPTER_DIR = "adapter"
 MANIFEST = "manifest.json"
+
+
+def save_weights(model: torch.nn.Module, folder: Path, dtype: torch.dtype | None = None) -> None:
+    """A whole model's weights as ``folder/model.safetensors``, each shared tensor once (a tied
+    output head is the input embedding), cast to ``dtype`` when given.
+
+    Written directly rather than through ``save_pretrained``, which writes nothing on a rank
+    other than 0 once a process group exists: any rank of a member may be the one that builds
+    a model folder."""
+    tensors, seen = {}, set()
+    for key, value in model.state_dict().items():
+        if value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        tensors[key] = (value if dtype is None else value.to(dtype)).contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def save_checkpoint(

@@ -342,18 +342,13 @@ def _save_model(model, out: Path) -> None:
     GGUF (it carries a quantizer) and writes nothing on a rank other than 0 once a process
     group exists, while any rank of a member may be the one that converts."""
     import torch
-    from safetensors.torch import save_file
+
+    from pbt.algorithms.runtime.checkpoint import save_weights
 
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.dtype = SAVE_DTYPE
-    tensors, seen = {}, set()
-    for key, value in model.state_dict().items():
-        if value.data_ptr() in seen:  # a tied output head is the input embedding
-            continue
-        seen.add(value.data_ptr())
-        tensors[key] = value.to(torch.bfloat16).contiguous()
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    save_weights(model, out, torch.bfloat16)
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)

@@ -39,7 +39,7 @@ from pbt.algorithms.runtime.models import (
 )
 from pbt.config import RL_ALGORITHMS, Manifest
 from pbt.config.errors import CheckpointError
-from pbt.config.fsdp import FSDPConfig
+from pbt.config.sections.fsdp import FSDPConfig
 from pbt.distributed import all_gather_objects, barrier, init_process_group
 from pbt.distributed.fsdp import shard_model
 from pbt.distributed.state import (

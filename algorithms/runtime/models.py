@@ -19,7 +19,7 @@ from pbt.algorithms.builtin.tiny import tiny_model_dir
 from pbt.algorithms.runtime.gguf import gguf_model_dir
 from pbt.config import LoRAConfig, ModelConfig, QuantizationConfig
 from pbt.config.errors import ConfigError
-from pbt.config.model import locate_model, model_load_error
+from pbt.config.sections.model import locate_model, model_load_error
 from pbt.distributed.fsdp import transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

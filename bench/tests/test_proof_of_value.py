@@ -20,7 +20,7 @@ import proof_stats as stats
 import proof_tasks
 
 from pbt.algorithms.runtime.member import load_data
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.store import STORE_FILENAME, CampaignStore
 
 MICRO = replace(harness.SHAPES["micro"], warm_steps={"addition": 2, "chain_sum": 2})

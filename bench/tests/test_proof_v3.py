@@ -18,7 +18,7 @@ import proof_stats  # noqa: E402
 import proof_v3  # noqa: E402
 import proof_v3_tasks  # noqa: E402
 
-from pbt.config.loader import manifest_from_dict  # noqa: E402
+from pbt.config.read.loader import manifest_from_dict  # noqa: E402
 
 
 def test_difficulties_are_disjoint_and_split_by_the_question_alone() -> None:

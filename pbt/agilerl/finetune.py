@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pbt.config.canonical import canonical_sections
 from pbt.config.errors import ConfigError
+from pbt.config.read.canonical import canonical_sections
 from pbt.evolution.breeding import build_selection
 from pbt.library.loop import train_population
 from pbt.library.population import Population

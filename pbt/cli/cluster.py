@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from pbt.config.errors import PbtError
-from pbt.config.loader import read_manifest_file
+from pbt.config.read.loader import read_manifest_file
 from pbt.controller.campaign import STORE_FILENAME
 from pbt.controller.lock import controller_running
 from pbt.launch.processes import kill_orphan

@@ -35,11 +35,11 @@ from pbt.cli import cluster, memory
 from pbt.cli.checkpoints import export, inspect_text
 from pbt.cli.serve import serve_dashboard, serve_mlflow
 from pbt.config import Manifest
-from pbt.config.campaign import BudgetConfig
-from pbt.config.canonical import resolved_yaml
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.loader import load_manifest
-from pbt.config.overrides import with_environment
+from pbt.config.read.canonical import resolved_yaml
+from pbt.config.read.loader import load_manifest
+from pbt.config.read.overrides import with_environment
+from pbt.config.sections.campaign import BudgetConfig
 from pbt.controller.budget import FLAGS
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
-from pbt.config.loader import load_manifest
+from pbt.config.read.loader import load_manifest
 from pbt.estimate.memory import (
     CUDA_CONTEXT_GIB,
     DEFAULT_GPU_GIB,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pbt.config.errors import PbtError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.store import CampaignStore
 from pbt.evolution.search import study_storage
 from pbt.tracking.run_schema import campaign_experiment, population_experiment

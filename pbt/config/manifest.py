@@ -12,8 +12,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pbt.config.algorithm import RL_ALGORITHMS, AlgorithmConfig
-from pbt.config.campaign import (
+from pbt.config.rules import shown
+from pbt.config.sections.algorithm import GROUP_ALGORITHMS, RL_ALGORITHMS, AlgorithmConfig
+from pbt.config.sections.campaign import (
     BudgetConfig,
     LaunchConfig,
     MutationConfig,
@@ -21,11 +22,10 @@ from pbt.config.campaign import (
     SearchConfig,
     TrackingConfig,
 )
-from pbt.config.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
-from pbt.config.rollout import RolloutConfig, dedicated_problems
-from pbt.config.rules import shown
-from pbt.config.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
-from pbt.config.training import DistributedConfig, TrainingConfig
+from pbt.config.sections.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
+from pbt.config.sections.rollout import RolloutConfig, dedicated_problems
+from pbt.config.sections.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
+from pbt.config.sections.training import DistributedConfig, TrainingConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,7 +161,7 @@ class Manifest:
         if self.task.env is None:
             return []
         problems = []
-        if self.algorithm.name not in ("GRPO", "REINFORCE"):
+        if self.algorithm.name not in GROUP_ALGORITHMS:
             problems.append(
                 f"task.env trains with GRPO or REINFORCE (group-relative returns), not "
                 f"{self.algorithm.name}; set algorithm.name: GRPO, or use rows (task.train)"
@@ -201,8 +201,7 @@ class Manifest:
                 f"task.train ({shown(task.train)}) has no reward: your own rows need task.reward "
                 "({file: rewards.py, function: my_reward}) or task.rewards; add one"
             )
-        for i, ref in enumerate(task.reward_refs()):
-            where = "task.reward" if task.reward is not None else f"task.rewards[{i}]"
+        for where, ref in zip(task.reward_keys(), task.reward_refs(), strict=True):
             if ref.file.endswith(".py") and "\0" not in ref.file:
                 problems += ref.check_source(base, where)
         return problems

@@ -9,14 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from pbt.config.algorithm import (
+from pbt.config.errors import ConfigError
+from pbt.config.manifest import Manifest
+from pbt.config.sections.algorithm import (
     INTEGER_HYPERPARAMETERS,
     MUTABLE_BY_ALGORITHM,
     MUTABLE_HYPERPARAMETERS,
 )
-from pbt.config.campaign import selection_problems
-from pbt.config.errors import ConfigError
-from pbt.config.manifest import Manifest
+from pbt.config.sections.campaign import selection_problems
 
 
 @dataclass(kw_only=True, slots=True)

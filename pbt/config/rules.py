@@ -5,7 +5,7 @@ Numbers that are durations, timeouts, sizes or counts declare their lower bound 
 :func:`bound_problems` checks every such field of a section in one pass (each section's
 ``check()`` starts with it). A bound also refuses NaN and infinities, so a NaN cannot slip
 through a ``> 0`` rule. The loader refuses NaN and infinities in every float field, bounded or
-not, before a section is built (:mod:`pbt.config.loader`).
+not, before a section is built (:mod:`pbt.config.read.loader`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A campaign's budget: what it has spent, which limit ends it, and a budget changed on resume.
 
 ``pbt resume DIR --generations N`` (and ``--total-steps``, ``--wall-time-s``, ``--gpu-hours``,
-``--target-fitness``: one flag per :class:`~pbt.config.campaign.BudgetConfig` field) changes the
+``--target-fitness``: one flag per :class:`~pbt.config.sections.campaign.BudgetConfig` field) changes the
 budget of a campaign that ended or was interrupted; values are totals for the whole campaign,
 as in the manifest. The new budget is written into the manifest sections the store keeps, so a
 later plain resume keeps it. A campaign so extended makes the decisions of one given that budget
@@ -28,7 +28,7 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.agilerl import TRAINING_RULES
-from pbt.config.campaign import BudgetConfig
+from pbt.config.sections.campaign import BudgetConfig
 from pbt.protocol.records import MemberRecord
 
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(BudgetConfig)}

@@ -13,7 +13,7 @@ Each generation boundary is one store transaction that also carries the controll
 so a resumed campaign makes exactly the decisions an uninterrupted one would. The store keeps
 the manifest's sections as the user wrote them (AgileRL's spellings included), from which
 ``resume`` rebuilds the same :class:`Manifest`; each task carries the manifest in its canonical
-form (:mod:`pbt.config.canonical`), translated and validated once, here. This module imports no
+form (:mod:`pbt.config.read.canonical`), translated and validated once, here. This module imports no
 torch: members are separate processes.
 
 One generation (here g1 on two slots of long-lived workers; without them, nothing is handed
@@ -58,8 +58,8 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.loader import manifest_from_dict, read_manifest_file
-from pbt.config.overrides import with_environment
+from pbt.config.read.loader import manifest_from_dict, read_manifest_file
+from pbt.config.read.overrides import with_environment
 from pbt.controller.budget import (
     FLAGS,
     Spent,
@@ -126,7 +126,7 @@ class Campaign:
         self.dir = directory
         self.raw = raw  # what the store keeps: the sections as written, and their folder
         self.manifest = manifest  # validated once by start or resume, the environment's
-        # overrides applied (pbt.config.overrides); what members are handed
+        # overrides applied (pbt.config.read.overrides); what members are handed
         self.say = _say
         self._lock = ControllerLock.acquire(directory, say=self.say)
         self.store = CampaignStore(directory / STORE_FILENAME)

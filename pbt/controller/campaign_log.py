@@ -30,7 +30,7 @@ from pbt.protocol.records import MemberRecord
 from pbt.tracking.run_schema import (
     CAMPAIGN_RUN,
     campaign_experiment,
-    start_member,
+    start_members,
     start_parent,
 )
 from pbt.tracking.tracker import Tracker, default_uri
@@ -77,16 +77,7 @@ class CampaignLog:
     def members_started(self, members: list[MemberRecord]) -> None:
         if self.tracker is None:
             return
-        for m in members:
-            start_member(
-                self.tracker,
-                m.member_id,
-                parent=PARENT,
-                generation=m.generation,
-                parent_member=m.parent_id,
-                mutation=m.mutation,
-                hyperparameters=m.hyperparameters,
-            )
+        start_members(self.tracker, members, parent=PARENT)
 
     def member_finished(self, m: MemberRecord, result: ResultMessage) -> None:
         """The member's training history, fitness and hyperparameters; its run ends."""

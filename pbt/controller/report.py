@@ -170,14 +170,9 @@ def lineage_text(directory: Path, member_id: str | None = None) -> str:
     with _open(directory) as store:
         members = {m.member_id: m for m in store.members()}
     if member_id is not None:
-        chain = []
-        current = members.get(member_id)
-        while current is not None:
-            chain.append(current)
-            current = members.get(current.parent_id) if current.parent_id else None
         return "\n".join(
             f"  gen {m.generation}  {m.member_id}  fitness {_last(m)}  <- {m.mutation or 'initial'}"
-            for m in reversed(chain)
+            for m in _line_of_descent(members, member_id)
         )
     by_gen: dict[int, list[MemberRecord]] = {}
     for m in members.values():

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.canonical import canonical_sections
+from pbt.config.read.canonical import canonical_sections
 from pbt.controller.store import CampaignStore
 from pbt.launch.attempt import TaskSpec
 from pbt.protocol.messages import TASK_FILE, TaskMessage

@@ -72,7 +72,7 @@ import math
 from dataclasses import dataclass
 
 from pbt.config import RL_ALGORITHMS, Manifest
-from pbt.config.fsdp import FSDPConfig
+from pbt.config.sections.fsdp import FSDPConfig
 from pbt.estimate.model_shape import PROJECTIONS, ModelShape
 
 GIB = 2**30

@@ -12,7 +12,7 @@ from pathlib import Path
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
 from pbt.config.gguf import NotGGUFError, read_gguf_info
-from pbt.config.model import BUILTIN_MODEL_ARCHITECTURE, locate_model
+from pbt.config.sections.model import BUILTIN_MODEL_ARCHITECTURE, locate_model
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """A block's linear layers, as LoRA's ``target_modules`` name them."""

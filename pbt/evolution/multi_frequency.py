@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import random
 
-from pbt.config.campaign import multi_frequency_problems, resolved_brackets, resolved_frequencies
 from pbt.config.errors import ConfigError
+from pbt.config.sections.campaign import (
+    multi_frequency_problems,
+    resolved_brackets,
+    resolved_frequencies,
+)
 from pbt.evolution.selection import Selected, _score
 from pbt.protocol.records import MemberRecord
 

@@ -27,8 +27,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from pbt.config.campaign import selection_problems, truncation_problems
 from pbt.config.errors import ConfigError
+from pbt.config.sections.campaign import selection_problems, truncation_problems
 from pbt.protocol.records import MemberRecord
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pbt.config.campaign import LaunchConfig
+from pbt.config.sections.campaign import LaunchConfig
 from pbt.launch import slurm
 from pbt.launch.handahead import HandAhead
 from pbt.launch.local import LocalLauncher, member_command

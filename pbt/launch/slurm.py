@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pbt.config.campaign import SlurmConfig
 from pbt.config.errors import PbtError
+from pbt.config.sections.campaign import SlurmConfig
 from pbt.launch.attempt import Running
 from pbt.launch.local import LocalLauncher
 from pbt.launch.persistent import PersistentLauncher

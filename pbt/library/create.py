@@ -15,8 +15,8 @@ from typing import Any
 
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import range_specs
+from pbt.config.read.loader import manifest_from_dict
 from pbt.evolution.breeding import initial_records
 from pbt.library.population import Agent, Population
 

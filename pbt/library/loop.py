@@ -34,7 +34,7 @@ from pbt.protocol.records import MemberRecord, rng_from_json, rng_to_json
 from pbt.tracking.run_schema import (
     POPULATION_RUN,
     population_experiment,
-    start_member,
+    start_members,
     start_parent,
 )
 from pbt.tracking.tracker import Tracker, default_uri
@@ -307,16 +307,7 @@ class _Run:
             manifest=self.pop.manifest,
             size=len(self.pop),
         )
-        for agent in self.pop:
-            start_member(
-                self.tracker,
-                agent.member_id,
-                parent=POPULATION_RUN,
-                generation=agent.generation,
-                parent_member=agent.parent_id,
-                mutation=agent.mutation,
-                hyperparameters=agent.hyperparameters,
-            )
+        start_members(self.tracker, self.pop, parent=POPULATION_RUN)
 
     def _log(self, agent: Agent, metrics: dict[str, float], step: int) -> None:
         if self.tracker is not None:

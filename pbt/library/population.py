@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pbt.config import Manifest
-from pbt.config.canonical import canonical_sections, manifest_from_canonical
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.fsdp import FSDPConfig
 from pbt.config.ranges import BatchRule, batch_rule
+from pbt.config.read.canonical import canonical_sections, manifest_from_canonical
+from pbt.config.sections.fsdp import FSDPConfig
 from pbt.evolution.breeding import breed, build_mutations, build_selection, child_record
 from pbt.library.evolve import (
     PopulationMutations,

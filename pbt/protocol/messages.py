@@ -9,7 +9,7 @@ another version is refused with one line saying so), every key known, every requ
 present and every value of its field's type. A file written before messages had a version has
 none and reads as version 1, whose keys are the same.
 
-The task carries the member's manifest in canonical form (:mod:`pbt.config.canonical`,
+The task carries the member's manifest in canonical form (:mod:`pbt.config.read.canonical`,
 translated and validated once, by the controller) and the folder its relative paths are read
 from; a member translates nothing.
 """
@@ -101,7 +101,7 @@ class TaskMessage(_Message):
     campaign_dir: str
     """The campaign's folder (absolute); the checkpoint paths below are relative to it."""
     manifest: dict[str, Any]
-    """The member's manifest in canonical form (:func:`pbt.config.canonical.canonical_sections`)."""
+    """The member's manifest in canonical form (:func:`pbt.config.read.canonical.canonical_sections`)."""
     manifest_base_dir: str
     """The folder the manifest's relative paths are read from."""
     member_id: str

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pbt import __version__
 from pbt.config import Manifest
@@ -79,25 +80,32 @@ def start_parent(
     tracker.start_run(key, name=name, tags=tags, params=params)
 
 
-def start_member(
-    tracker: Tracker,
-    member_id: str,
-    *,
-    parent: str,
-    generation: int,
-    parent_member: str | None,
-    mutation: str | None,
-    hyperparameters: dict[str, float],
-) -> None:
-    """Start (or reopen) a member's run under ``parent``; its hyperparameters as params only
+class Member(Protocol):
+    """What a member run is started from: a campaign's :class:`~pbt.protocol.records.MemberRecord`
+    and a library-mode agent alike."""
+
+    member_id: str
+    generation: int
+    parent_id: str | None
+    mutation: str | None
+
+    @property
+    def hyperparameters(self) -> dict[str, float]: ...
+
+
+def start_members(tracker: Tracker, members: Iterable[Member], *, parent: str) -> None:
+    """Start (or reopen) each member's run under ``parent``; its hyperparameters as params only
     the first time."""
-    tags = {
-        "member": member_id,
-        "generation": str(generation),
-        "parent_member": parent_member or "",
-        "mutation": mutation or "initial",
-    }
-    params = None
-    if not tracker.has_run(member_id):
-        params = {name: param_value(value) for name, value in hyperparameters.items()}
-    tracker.start_run(member_id, name=member_id, parent=parent, tags=tags, params=params)
+    for member in members:
+        tags = {
+            "member": member.member_id,
+            "generation": str(member.generation),
+            "parent_member": member.parent_id or "",
+            "mutation": member.mutation or "initial",
+        }
+        params = None
+        if not tracker.has_run(member.member_id):
+            params = {name: param_value(v) for name, v in member.hyperparameters.items()}
+        tracker.start_run(
+            member.member_id, name=member.member_id, parent=parent, tags=tags, params=params
+        )

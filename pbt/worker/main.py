@@ -13,9 +13,9 @@ from pbt.protocol import faults
 from pbt.protocol.controller import watch_controller
 from pbt.protocol.files import Heartbeat
 from pbt.protocol.logs import quiet_library_loggers
-from pbt.protocol.messages import RESULT_FILE, MessageError, TaskMessage
+from pbt.protocol.messages import RESULT_FILE
 from pbt.worker.serve import serve
-from pbt.worker.task import failed, run_task
+from pbt.worker.task import failed, read_task, run_task
 
 USAGE = "usage: python -m pbt.worker TASK_JSON | --serve FOLDER [--idle-timeout S]"
 
@@ -41,13 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_task(task_path: Path) -> int:
     """Run the task at ``task_path``; rank 0 writes its result beside it."""
-    try:
-        task = TaskMessage.read(task_path)
-    except MessageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    task = read_task(task_path)
     if task is None:
-        print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
         return 2
     from pbt.distributed import shutdown
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 import traceback
@@ -22,9 +21,9 @@ from typing import Any
 
 from pbt.protocol import faults
 from pbt.protocol.files import RELEASED, Heartbeat, read_json
-from pbt.protocol.messages import RESULT_FILE, MessageError, ResultMessage, TaskMessage
+from pbt.protocol.messages import RESULT_FILE, ResultMessage
 from pbt.worker import cache
-from pbt.worker.task import Served, failed, finish_task, start_task
+from pbt.worker.task import Served, failed, finish_task, read_task, start_task
 
 
 def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) -> int:
@@ -58,13 +57,8 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                 return 0
             taken += 1
             task_path = Path(entry["task"])
-            try:
-                task = TaskMessage.read(task_path)
-            except MessageError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
+            task = read_task(task_path)
             if task is None:
-                print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
                 return 2
             if ahead is not None:
                 ahead.number = taken  # the entry after this one

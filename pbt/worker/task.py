@@ -37,16 +37,29 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config import Manifest
-from pbt.config.canonical import manifest_from_canonical
 from pbt.config.errors import PbtError
+from pbt.config.read.canonical import manifest_from_canonical
 from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import Heartbeat
-from pbt.protocol.messages import Fault, ResultMessage, TaskMessage
+from pbt.protocol.messages import Fault, MessageError, ResultMessage, TaskMessage
 from pbt.protocol.paths import inside
 from pbt.protocol.progress import ProgressReport
 from pbt.protocol.records import member_seed
 from pbt.worker import cache
+
+
+def read_task(task_path: Path) -> TaskMessage | None:
+    """The task at ``task_path``, or None after one line on stderr saying why it cannot be
+    read (the worker then exits 2)."""
+    try:
+        task = TaskMessage.read(task_path)
+    except MessageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+    if task is None:
+        print(f"error: {task_path} is missing or not valid JSON", file=sys.stderr)
+    return task
 
 
 def run_task(

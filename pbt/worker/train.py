@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pbt.config import Manifest
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.loader import load_manifest
+from pbt.config.read.loader import load_manifest
 from pbt.protocol.logs import quiet_library_loggers
 from pbt.worker.stall import StallWatch
 

@@ -111,7 +111,7 @@ def score_reward(task: TaskMessage) -> None:
     """Score the task's first training row, its answer as the completion, with the manifest's
     reward, as a member's learner does."""
     from pbt.algorithms.data.tasks import load_task
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
 
     manifest = manifest_from_dict(task.manifest, base_dir=task.manifest_base_dir)
     loaded = load_task(manifest.task, manifest.base_dir, manifest.training.seed)

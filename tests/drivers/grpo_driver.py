@@ -18,7 +18,7 @@ import torch
 
 from pbt.algorithms.rollout.hf import RolloutBatch, chat_prompts
 from pbt.algorithms.runtime.member import Member, local_shard
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.distributed import CollectiveError, shutdown, world_info
 from pbt.distributed.state import gather_parameters
 

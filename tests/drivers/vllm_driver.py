@@ -28,7 +28,7 @@ from support import small_sections
 
 from pbt.algorithms.rollout.hf import generate, sequence_logprobs
 from pbt.algorithms.runtime.shared_base import SharedBase
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 

@@ -25,7 +25,7 @@ from vllm_driver import completions
 
 from pbt.algorithms.rollout.hf import generate
 from pbt.algorithms.runtime.member import Member
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 from pbt.distributed.fsdp import is_sharded
 

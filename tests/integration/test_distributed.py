@@ -109,7 +109,7 @@ def test_a_hung_rank_becomes_a_clear_error_not_a_hang(tmp_path: Path):
 
 
 def test_fsdp_config_rules():
-    from pbt.config.fsdp import FSDPConfig
+    from pbt.config.sections.fsdp import FSDPConfig
     from pbt.distributed.fsdp import shard_model
 
     with pytest.raises(ConfigError, match="set optim_cpu_offload: false"):
@@ -127,7 +127,7 @@ def test_fsdp_config_fields_match_the_manifest_schema():
     import dataclasses
 
     from pbt.config import FSDP_FIELDS
-    from pbt.config.fsdp import FSDPConfig
+    from pbt.config.sections.fsdp import FSDPConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(FSDPConfig)}
     assert fields == FSDP_FIELDS

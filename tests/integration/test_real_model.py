@@ -140,7 +140,7 @@ import json, sys
 import torch
 from pbt.algorithms.runtime.member import Member
 from pbt.algorithms.rollout.hf import generate
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 def rows(batch):
     return [r[: int(n)].tolist() for r, n in zip(batch.completion_ids, batch.completion_mask.sum(1))]

@@ -21,7 +21,7 @@ from support import FAKE, FAKE_CAMPAIGN, TESTS, campaign_processes, start_campai
 
 from pbt.cli.main import main, pbt_command
 from pbt.config.errors import ConfigError, PbtError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.budget import with_budget
 from pbt.controller.campaign import Campaign
 from pbt.controller.lock import ControllerLock, controller_running

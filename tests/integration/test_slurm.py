@@ -31,7 +31,7 @@ import pytest
 import yaml
 from support import TESTS
 
-from pbt.config.campaign import SlurmConfig
+from pbt.config.sections.campaign import SlurmConfig
 from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
 from pbt.launch.local import TaskSpec

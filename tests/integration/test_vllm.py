@@ -21,7 +21,7 @@ import pytest
 import torch
 from support import DRIVERS, run_torchrun, small_sections
 
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 INSTALLED = importlib.util.find_spec("vllm") is not None

@@ -307,3 +307,27 @@ def test_tests_import_no_other_test_module():
             )
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("test_")]
     assert offenders == []
+
+
+def test_every_project_import_names_a_module():
+    """A project import names a module that exists: after a module moves, an importer left on
+    its old path fails here, in the product, the tests, the benchmarks and the examples alike
+    (the floor checks above would read the old path as its nearest existing package)."""
+    known = modules()
+    paths = [m.path for m in known.values()]
+    paths += [p for folder in ("tests", "bench", "examples") for p in (ROOT / folder).rglob("*.py")]
+    stale = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            stale += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {name}, which is no module"
+                for name in names
+                if name.startswith("pbt.") and name not in known
+            ]
+    assert stale == [], "\n".join(stale)

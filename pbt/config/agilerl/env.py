@@ -6,7 +6,7 @@ from pathlib import PurePath
 from typing import Any
 
 from pbt.config.agilerl.rules import INIT_HP_RULES, Translation
-from pbt.config.task import HUB_PREFIX
+from pbt.config.sections.task import HUB_PREFIX
 
 _FIELDS = {"question": "question_field", "answer": "answer_field", "prompt": "prompt_field",
            "response": "response_field", "chosen": "chosen_field", "rejected": "rejected_field"}  # fmt: skip

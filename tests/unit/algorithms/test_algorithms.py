@@ -15,7 +15,7 @@ from support import DATA_VARIANTS, DRIVERS, RL_VARIANTS, run_torchrun, small_sec
 
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.library.create import create_population
 
 CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ from pbt.algorithms.rollout.dedicated import behaviour_weights, dedicated_rollou
 from pbt.algorithms.rollout.remote import RolloutEngineError
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
-from pbt.config.loader import load_manifest
+from pbt.config.read.loader import load_manifest
 
 CPU = torch.device("cpu")
 FIXTURE = FIXTURES / "agilerl" / "grpo_arena_async.yaml"

@@ -17,7 +17,7 @@ from pbt.algorithms.envs.task import check_env, episode_seeds, episodes_for
 from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError, EnvError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.protocol.faults import classify
 
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from pbt.algorithms import losses
 from pbt.algorithms.objectives import OBJECTIVES, get_objective
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError, DivergedError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.campaign import Campaign
 from pbt.controller.store import CampaignStore
 from pbt.launch.local import LocalLauncher, TaskSpec

@@ -25,7 +25,7 @@ from pbt.algorithms.rollout.hf import chat_prompts
 from pbt.algorithms.runtime.member import Member
 from pbt.config import RewardRef, TaskConfig
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 PBT = [sys.executable, "-m", "pbt.cli"]

@@ -24,7 +24,7 @@ from pbt.algorithms.ppo import (
 from pbt.algorithms.rollout.hf import RolloutBatch
 from pbt.algorithms.runtime.member import Member
 from pbt.algorithms.runtime.models import resolve_model_path
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.library.create import create_population
 
 CPU = torch.device("cpu")

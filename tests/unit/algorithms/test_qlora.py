@@ -17,7 +17,7 @@ import torch
 from support import DRIVERS, small_sections
 
 from pbt.config.errors import CheckpointError, ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 DRIVER = DRIVERS / "grpo_driver.py"

@@ -22,7 +22,7 @@ from pbt.algorithms.runtime.member import Member
 from pbt.algorithms.runtime.models import resolve_model_path
 from pbt.cli.main import main, pbt_command
 from pbt.config import load_manifest
-from pbt.config.canonical import manifest_from_canonical
+from pbt.config.read.canonical import manifest_from_canonical
 
 AGILERL = FIXTURES / "agilerl"
 

@@ -33,7 +33,7 @@ from pbt.config import (
     manifest_from_dict,
 )
 from pbt.config.agilerl import mapping_rows, translate_agilerl
-from pbt.config.canonical import canonical_sections, manifest_from_canonical
+from pbt.config.read.canonical import canonical_sections, manifest_from_canonical
 from pbt.controller.campaign import Campaign
 from pbt.controller.store import CampaignStore
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import load_manifest, manifest_from_dict
+from pbt.config.read.loader import load_manifest, manifest_from_dict
 from pbt.library.create import create_population
 
 OFFLOAD = {"cpu_offload": True, "optim_cpu_offload": False}

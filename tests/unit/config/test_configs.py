@@ -14,7 +14,7 @@ from support import REPO
 
 from pbt.algorithms.data.rows import check_rows
 from pbt.config import SECTIONS, Manifest, load_manifest
-from pbt.config.canonical import canonical_sections, manifest_from_canonical, resolved_yaml
+from pbt.config.read.canonical import canonical_sections, manifest_from_canonical, resolved_yaml
 from pbt.worker.train import default_manifest_path
 
 ROOT = REPO

@@ -26,7 +26,7 @@ from support import REPO
 from pbt.cli.main import main as pbt
 from pbt.config.errors import ConfigError
 from pbt.config.gguf import is_gguf, read_gguf_info
-from pbt.config.model import locate_model
+from pbt.config.sections.model import locate_model
 
 if os.environ.get("CI") == "true":  # the test extra brings it: in CI these tests never skip
     import gguf
@@ -314,7 +314,7 @@ def test_the_real_model_examples_load_and_fit_one_gpu(monkeypatch):
     """configs/examples/real_model/: valid where the model is fetched, and the memory estimate
     reads the GGUF's shape: 8 members of it fit one H200."""
     from pbt.cli.memory import memory_warning
-    from pbt.config.loader import load_manifest
+    from pbt.config.read.loader import load_manifest
     from pbt.estimate.model_shape import read_model_shape
 
     model = real_model(convert=False)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pbt.config.campaign import LaunchConfig, SlurmConfig
 from pbt.config.errors import PbtError
+from pbt.config.sections.campaign import LaunchConfig, SlurmConfig
 from pbt.launch.slurm import JobState, batch_script, slurm_member_command
 from tests.support import small_sections
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import load_manifest, manifest_from_dict
+from pbt.config.read.loader import load_manifest, manifest_from_dict
 from pbt.worker.train import default_manifest_path
 
 
@@ -171,8 +171,8 @@ def test_anchors_aliases_and_merge_keys_that_repeat_a_value_are_read(tmp_path):
 
 
 def test_bounds_hold_for_configs_built_in_python_too():
-    from pbt.config.campaign import LaunchConfig
-    from pbt.config.training import TrainingConfig
+    from pbt.config.sections.campaign import LaunchConfig
+    from pbt.config.sections.training import TrainingConfig
 
     assert LaunchConfig(task_timeout_s=-1.0).check("launch") == [
         "launch.task_timeout_s (-1.0) must be > 0"

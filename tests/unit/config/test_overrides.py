@@ -1,5 +1,5 @@
 """The knobs a user sets live in the manifest; an environment variable overrides each of them
-(``pbt.config.overrides``), validated once by the controller, which hands members the values
+(``pbt.config.read.overrides``), validated once by the controller, which hands members the values
 in the canonical manifest."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from support import FAKE_CAMPAIGN as MANIFEST
 
 from pbt.cli.main import main
 from pbt.config import Manifest, manifest_from_dict
-from pbt.config.canonical import canonical_sections, manifest_from_canonical
 from pbt.config.errors import ConfigError
-from pbt.config.overrides import OVERRIDES, with_environment
+from pbt.config.read.canonical import canonical_sections, manifest_from_canonical
+from pbt.config.read.overrides import OVERRIDES, with_environment
 from pbt.controller.campaign import Campaign
 from pbt.controller.store import CampaignStore
 

@@ -9,7 +9,7 @@ import pytest
 from support import small_sections
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 INSTALLED = importlib.util.find_spec("vllm") is not None
 

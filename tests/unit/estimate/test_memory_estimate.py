@@ -17,7 +17,7 @@ import yaml
 from support import small_sections
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.estimate import memory
 from pbt.estimate.memory import (
     GIB,

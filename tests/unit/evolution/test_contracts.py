@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import HPRange, hp_ranges
+from pbt.config.read.loader import manifest_from_dict
 from pbt.evolution.breeding import build_mutations, build_pb2, build_selection
 from pbt.evolution.mutation import Mutations
 from pbt.evolution.pb2 import PB2Explore
@@ -230,7 +230,7 @@ def test_every_search_strategy_has_an_explore_here() -> None:
     """The suite covers what the manifest offers: a new selection or explore must join it."""
     from typing import get_args, get_type_hints
 
-    from pbt.config.campaign import PopulationConfig, SearchConfig
+    from pbt.config.sections.campaign import PopulationConfig, SearchConfig
 
     selections = get_args(get_type_hints(PopulationConfig)["selection"])
     assert {raw.get("selection", "tournament") for raw in SELECTIONS.values()} == set(selections)

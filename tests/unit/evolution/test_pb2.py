@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
 from pbt.config.ranges import HPRange
+from pbt.config.read.loader import manifest_from_dict
 from pbt.evolution.breeding import breed, build_pb2
 from pbt.evolution.mutation import Mutations
 from pbt.evolution.pb2 import PB2Explore, observations

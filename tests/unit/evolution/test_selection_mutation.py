@@ -453,7 +453,7 @@ def test_truncation_errors_name_key_value_and_fix(fraction: float, gap: float, n
 
 
 def test_truncation_from_the_manifest() -> None:
-    from pbt.config.loader import manifest_from_dict
+    from pbt.config.read.loader import manifest_from_dict
     from pbt.evolution.breeding import build_selection
 
     raw = {"population": {"size": 8, "selection": "truncation", "exploit_gap": 0.02}}

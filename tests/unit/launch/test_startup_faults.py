@@ -16,8 +16,8 @@ from support import small_sections
 
 from pbt.cli.main import main as pbt
 from pbt.config.errors import ConfigError, DivergedError
-from pbt.config.loader import manifest_from_dict
-from pbt.config.model import locate_model, model_load_error
+from pbt.config.read.loader import manifest_from_dict
+from pbt.config.sections.model import locate_model, model_load_error
 from pbt.launch.local import LocalLauncher, TaskSpec
 from pbt.protocol import faults
 

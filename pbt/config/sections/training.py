@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pbt.config.fsdp import fsdp_problems
 from pbt.config.rules import Count, NonNegativeFloat, PositiveInt, Seconds, bound_problems
+from pbt.config.sections.fsdp import fsdp_problems
 
 Device = Literal["auto", "cpu", "cuda"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pbt.config.model import Dtype
 from pbt.config.rules import (
     PositiveFloat,
     PositiveInt,
@@ -14,6 +13,8 @@ from pbt.config.rules import (
     at_least_zero,
     bound_problems,
 )
+from pbt.config.sections.algorithm import GROUP_ALGORITHMS
+from pbt.config.sections.model import Dtype
 
 VLLM_OWN_KEYS = (
     "model",
@@ -172,7 +173,7 @@ def dedicated_problems(manifest) -> list[str]:
             ]
         return []
     problems = []
-    if manifest.algorithm.name not in ("GRPO", "REINFORCE"):
+    if manifest.algorithm.name not in GROUP_ALGORITHMS:
         problems.append(
             f"launch.rollout_gpus_per_member ({engines}) serves the GRPO family's rollouts, but "
             f"algorithm.name is {manifest.algorithm.name!r}; use GRPO or REINFORCE, or set it to 0"

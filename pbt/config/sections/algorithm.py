@@ -38,6 +38,9 @@ are cast to ``int`` wherever they are set, and a mutation must keep the batch ru
 
 ALGORITHMS = ("GRPO", "REINFORCE", "PPO", "SFT", "DPO")
 
+GROUP_ALGORITHMS = ("GRPO", "REINFORCE")
+"""The GRPO family: returns relative to a group of completions per prompt, no value head."""
+
 
 _BATCH = ("group_size", "prompts_per_step")
 
@@ -232,7 +235,7 @@ class AlgorithmConfig:
         """``advantage_norm`` and ``kl_in_advantage`` act on group advantages: GRPO's and
         REINFORCE's, not PPO's (GAE over a critic) nor SFT's and DPO's (none)."""
         problems: list[str] = []
-        has_groups = self.name in ("GRPO", "REINFORCE")
+        has_groups = self.name in GROUP_ALGORITHMS
         why = {"PPO": "PPO's advantages come from its critic (GAE)"}.get(
             self.name, f"{self.name} has no advantages"
         )

@@ -5,7 +5,7 @@ suggested), wrong types, NaN and infinities in any number, and the value rules e
 ``check()`` states. The result is one :class:`~pbt.config.errors.ConfigError` listing all of them.
 
 Every manifest file is read here, by :func:`read_manifest_file`: at most
-:data:`~pbt.config.strict_yaml.MAX_BYTES`, parsed by :mod:`pbt.config.strict_yaml` (duplicate
+:data:`~pbt.config.read.strict_yaml.MAX_BYTES`, parsed by :mod:`pbt.config.read.strict_yaml` (duplicate
 keys, nesting and alias expansion refused in one line each); a file without a document says so.
 """
 
@@ -29,8 +29,8 @@ from pbt.config.agilerl import translate_agilerl, translate_hp_dicts
 from pbt.config.errors import ConfigError
 from pbt.config.manifest import Manifest
 from pbt.config.ranges import campaign_problems
+from pbt.config.read.strict_yaml import MAX_BYTES, NO_DOCUMENT, ManifestYAMLError, load_strict
 from pbt.config.rules import shown as _show
-from pbt.config.strict_yaml import MAX_BYTES, NO_DOCUMENT, ManifestYAMLError, load_strict
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

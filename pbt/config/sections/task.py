@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import ast
 import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pbt.config.env import EnvConfig
 from pbt.config.rules import PositiveInt, Seconds, above_zero, bound_problems, shown
+from pbt.config.sections.env import EnvConfig
+from pbt.config.sections.source import definition_problems
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,37 +52,7 @@ class RewardRef:
         """The file exists under ``base_dir`` and defines ``function`` at its top level. The
         source is parsed, not executed: loading a manifest runs no user code (``pbt check`` then
         imports and calls it once, :func:`pbt.algorithms.data.tasks.check_rewards`)."""
-        path = base_dir / self.file
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except OSError as err:
-            return [
-                f"{prefix}.file ({shown(self.file)}) cannot be read ({path}: {err.strerror}); give a "
-                ".py path relative to the manifest's folder"
-            ]
-        except SyntaxError as err:
-            return [
-                f"{prefix}.file ({shown(self.file)}) is not valid Python: line {err.lineno}: "
-                f"{err.msg}; fix the file"
-            ]
-        defined = [
-            node.name
-            for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        ] + [
-            target.id
-            for node in tree.body
-            if isinstance(node, ast.Assign)
-            for target in node.targets
-            if isinstance(target, ast.Name)
-        ]
-        if self.function not in defined:
-            found = ", ".join(defined) or "nothing"
-            return [
-                f"{prefix}.function ({shown(self.function)}) is not defined at the top level of "
-                f"{self.file}; it defines: {found}"
-            ]
-        return []
+        return definition_problems(base_dir, self.file, self.function, prefix, "function")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -215,6 +185,13 @@ class TaskConfig:
     def reward_refs(self) -> list[RewardRef]:
         """The user's rewards, whichever key named them."""
         return [self.reward] if self.reward is not None else list(self.rewards)
+
+    def reward_keys(self) -> list[str]:
+        """The manifest key of each of :meth:`reward_refs`, as problems name it:
+        ``task.reward``, or ``task.rewards[i]``."""
+        if self.reward is not None:
+            return ["task.reward"]
+        return [f"task.rewards[{i}]" for i in range(len(self.rewards))]
 
     def check(self, prefix: str) -> list[str]:
         problems = bound_problems(self, prefix)

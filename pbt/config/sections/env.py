@@ -2,17 +2,18 @@
 
 The environment is a class (or any callable returning one) with AgileRL's ``MultiTurnEnv``
 shape; :mod:`pbt.algorithms.envs` runs it. This module states and checks the configuration
-only: the file is parsed here, never run (``pbt check`` imports it and plays one turn).
+only: the file is parsed (:mod:`.source`), never run (``pbt check`` imports it and plays one
+turn).
 """
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pbt.config.rules import PositiveInt, bound_problems, shown
+from pbt.config.sections.source import definition_problems
 
 BUILTIN_ENVS = ("builtin:calculator", "builtin:guess_number", "builtin:running_sum")
 """The environments shipped with the package: 4-digit arithmetic with a calculator tool, a
@@ -80,40 +81,4 @@ class EnvConfig:
         not executed)."""
         if self.builtin or self.file is None or not self.file.endswith(".py"):
             return []
-        path = base_dir / self.file
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except OSError as err:
-            return [
-                f"{prefix}.file ({shown(self.file)}) cannot be read ({path}: {err.strerror}); "
-                "give a .py path relative to the manifest's folder"
-            ]
-        except SyntaxError as err:
-            return [
-                f"{prefix}.file ({shown(self.file)}) is not valid Python: line {err.lineno}: "
-                f"{err.msg}; fix the file"
-            ]
-        defined = top_level_names(tree)
-        if self.class_ not in defined:
-            found = ", ".join(defined) or "nothing"
-            return [
-                f"{prefix}.class ({shown(self.class_)}) is not defined at the top level of "
-                f"{self.file}; it defines: {found}"
-            ]
-        return []
-
-
-def top_level_names(tree: ast.Module) -> list[str]:
-    """Functions, classes and assigned names at the top level of a parsed file."""
-    names = [
-        node.name
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-    ]
-    return names + [
-        target.id
-        for node in tree.body
-        if isinstance(node, ast.Assign)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    ]
+        return definition_problems(base_dir, self.file, self.class_, prefix, "class")

@@ -26,8 +26,8 @@ import yaml
 
 from pbt.config.agilerl import is_agilerl_format
 from pbt.config.errors import ConfigError
-from pbt.config.loader import manifest_from_dict
 from pbt.config.manifest import SECTIONS, Manifest
+from pbt.config.read.loader import manifest_from_dict
 
 
 def canonical_sections(manifest: Manifest) -> dict[str, Any]:
