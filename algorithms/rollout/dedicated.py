@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +61,7 @@ from pbt.algorithms.rollout.remote import (
     set_rng,
 )
 from pbt.config import AlgorithmConfig
+from pbt.protocol.engines import EnginePlacement, EngineStatus, write_status
 
 SEQUENCE_LEVEL = ("gspo",)
 """Objectives whose ratio is per sequence: their stale samples are weighted per sequence."""
@@ -137,6 +141,8 @@ class DedicatedRollouts:
         self.pending: deque[_Pending] = deque()
         self.arrived: dict[int, Samples] = {}
         self._next_request = 0
+        self.stale_dropped = 0
+        """Rows dropped this session for lagging past ``max_staleness``."""
 
     @property
     def lockstep(self) -> bool:
@@ -195,6 +201,7 @@ class DedicatedRollouts:
             dropped += len(samples.texts)
             self.pending[0] = self._resubmit(head)
         self.pending.popleft()
+        self.stale_dropped += dropped
         if self.lockstep:
             set_rng(samples.rng, self.learner.device)
         waited = time.perf_counter() - start
@@ -300,31 +307,126 @@ class DedicatedRollouts:
             self.engine.send(item.msg)
 
 
+def engine_placement(manifest, device: torch.device) -> EnginePlacement:
+    """Where this process's engine runs and how many engines a member has: the launcher's word
+    (:data:`~pbt.protocol.engines.PLACEMENT_ENV`, ``auto`` resolved there); for a process
+    started otherwise (library mode, a test) beside its trainer, ``auto`` meaning one engine
+    per rank with async rollouts and none with sync."""
+    engines = manifest.launch.rollout_gpus_per_member
+    if engines == 0:
+        return EnginePlacement("colocated", 0)
+    given = EnginePlacement.from_env()
+    if given is not None:
+        return given
+    if engines == "auto":
+        engines = manifest.launch.ranks if manifest.rollout.mode == "async" else 0
+    if engines == 0:
+        return EnginePlacement("colocated", 0)
+    return EnginePlacement("cpu" if device.type == "cpu" else "shared", engines)
+
+
+def engine_device(placement: EnginePlacement, trainer: torch.device) -> str:
+    """The engine's device: on ``dedicated`` GPUs, the one of this local rank after the node's
+    trainer GPUs (the launcher lists them in that order); else its trainer's own."""
+    if placement.kind != "dedicated" or trainer.type != "cuda":
+        return str(trainer)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    return f"cuda:{int(os.environ.get('LOCAL_WORLD_SIZE', 1)) + local}"
+
+
+def device_label(device: str) -> str:
+    """``device`` with the GPU ``CUDA_VISIBLE_DEVICES`` maps it to: ``cuda:1 (GPU 5)``."""
+    kind, _, index = device.partition(":")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if kind != "cuda" or not index.isdigit() or int(index) >= len(visible):
+        return device
+    return f"{device} (GPU {visible[int(index)]})"
+
+
+class EngineReporter:
+    """Rewrites the engine's status file (:mod:`pbt.protocol.engines`) about once a second
+    from a daemon thread while the member trains, and once more at the end; ``pbt status``
+    reads it. Nothing without a folder. A failed write never fails the member."""
+
+    def __init__(
+        self, session: DedicatedRollouts, member_id: str, rank: int, placement: str,
+        folder: Path | None, interval_s: float = 1.0,
+    ) -> None:  # fmt: skip
+        self.session, self.member_id, self.rank = session, member_id, rank
+        self.placement, self.folder, self.interval_s = placement, folder, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Report now, then every ``interval_s`` until :meth:`stop`."""
+        if self.folder is None:
+            return
+        self.write("serving")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="pbt-engine-status")
+        self._thread.start()
+
+    def stop(self, state: str) -> None:
+        """Stop reporting, after a last report in ``state`` (``drained``, ``failed``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.folder is not None:
+            self.write(state)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write("serving")
+
+    def write(self, state: str) -> None:
+        """One report of the engine in ``state``."""
+        engine, session = self.session.engine, self.session
+        try:
+            alive = engine.process is not None
+            status = EngineStatus(
+                self.member_id, self.rank, engine.pid if alive else None, os.getpid(),
+                device_label(engine.device), self.placement, state, max(0, session.served),
+                float(engine.beat.value) if alive else None, engine.restarts,
+                session.stale_dropped, time.time(),
+            )  # fmt: skip
+        except (AttributeError, ValueError):  # the engine restarting under this thread
+            return
+        write_status(self.folder, status)
+
+
 @contextmanager
-def dedicated_rollouts(host, learner, member_id: str) -> Iterator[DedicatedRollouts | None]:
+def dedicated_rollouts(
+    host, learner, member_id: str, status_dir: Path | None = None
+) -> Iterator[DedicatedRollouts | None]:
     """While the block runs, ``learner`` samples its training batches on the host's dedicated
-    engine (started on first use, kept for the host's later members); nothing when the
-    manifest has none (``launch.rollout_gpus_per_member: 0``)."""
+    engine (started on first use, kept for the host's later members), which reports to
+    ``status_dir`` (:class:`EngineReporter`); nothing when the member has no engine
+    (``launch.rollout_gpus_per_member: 0``, or ``auto`` resolved to none)."""
     manifest = host.manifest
-    if manifest.launch.rollout_gpus_per_member == 0:
+    placement = engine_placement(manifest, learner.device)
+    if placement.engines_per_member == 0:
         yield None
         return
     engine = host.rollout_engine
     name = f"{member_id}'s rollout engine {host.world.rank}"
     if engine is None:
-        spec = EngineSpec(manifest, str(learner.device), torch.get_num_threads())
+        device = engine_device(placement, learner.device)
+        spec = EngineSpec(manifest, device, torch.get_num_threads())
         cfg = manifest.rollout
         engine = start_engine(spec, name, cfg.engine_timeout_s, cfg.engine_heartbeat_s)
         host.rollout_engine = engine
     engine.name = name
     session = DedicatedRollouts(engine, learner)
-    session.begin()
+    reporter = EngineReporter(session, member_id, host.world.rank, placement.kind, status_dir)
     try:
+        session.begin()
+        reporter.start()
         yield session
-    except BaseException:
+    except BaseException as err:
         learner.rollouts = None  # the engine may be the fault: no drain to wait for
+        reporter.stop("failed" if isinstance(err, RolloutEngineError) else "stopped")
         raise
     session.end()
+    reporter.stop("drained")
 
 
 def start_engine(spec: EngineSpec, name: str, timeout_s: float, heartbeat_s: float):
