@@ -18,11 +18,19 @@ import pytest
 import torch
 from support import FIXTURES, small_manifest
 
-from pbt.algorithms.rollout.dedicated import behaviour_weights, dedicated_rollouts, fresh_rows
+from pbt.algorithms.rollout.dedicated import (
+    behaviour_weights,
+    dedicated_rollouts,
+    device_label,
+    engine_device,
+    engine_placement,
+    fresh_rows,
+)
 from pbt.algorithms.rollout.remote import RolloutEngineError
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 from pbt.config.loader import load_manifest
+from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
 
 CPU = torch.device("cpu")
 FIXTURE = FIXTURES / "agilerl" / "grpo_arena_async.yaml"
@@ -73,6 +81,12 @@ def test_bad_values_are_one_line_each(tmp_path) -> None:
         ({"rollout": {"max_staleness": -1}}, "rollout.max_staleness (-1) must be >= 0"),
         ({"launch": {"rollout_gpus_per_member": -1}}, "launch.rollout_gpus_per_member (-1)"),
         ({**DEDICATED, "rollout": {"engine": "vllm"}}, "rollout.engine ('vllm') runs colocated"),
+        (
+            {"launch": {"rollout_gpus_per_member": 2}},
+            "launch.rollout_gpus_per_member (2) gives each of the member's 1 ranks its own "
+            "engine: set it to 1",
+        ),
+        ({"launch": {"rollout_gpus_per_member": "all"}}, "launch.rollout_gpus_per_member"),
         ({**DEDICATED, "algorithm": {"dynamic_sampling": True}}, "algorithm.dynamic_sampling"),
         ({**DEDICATED, "algorithm": {"name": "PPO"}}, "serves the GRPO family's rollouts"),
         (
@@ -85,6 +99,28 @@ def test_bad_values_are_one_line_each(tmp_path) -> None:
             small_manifest(tmp_path, **sections)
         assert any(start in p for p in err.value.problems), err.value.problems
         assert all("\n" not in p for p in err.value.problems)
+
+
+def test_the_engine_runs_where_the_launcher_placed_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(PLACEMENT_ENV, raising=False)
+    auto = small_manifest(tmp_path, launch={"rollout_gpus_per_member": "auto"})
+    assert engine_placement(auto, CPU) == EnginePlacement("colocated", 0)  # sync: none
+    auto_async = small_manifest(
+        tmp_path, launch={"rollout_gpus_per_member": "auto"}, rollout={"mode": "async"}
+    )
+    assert engine_placement(auto_async, CPU) == EnginePlacement("cpu", 1)
+    assert engine_placement(auto_async, torch.device("cuda", 0)) == EnginePlacement("shared", 1)
+    monkeypatch.setenv(PLACEMENT_ENV, "dedicated:1")  # the launcher's word wins
+    assert engine_placement(auto_async, CPU) == EnginePlacement("dedicated", 1)
+    assert engine_placement(small_manifest(tmp_path), CPU).engines_per_member == 0
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # trainers 4, 5; engines 6, 7
+    device = engine_device(EnginePlacement("dedicated", 2), torch.device("cuda", 1))
+    assert device == "cuda:3" and device_label(device) == "cuda:3 (GPU 7)"
+    shared = engine_device(EnginePlacement("shared", 2), torch.device("cuda", 1))
+    assert shared == "cuda:1" and device_label(shared) == "cuda:1 (GPU 5)"
+    assert engine_device(EnginePlacement("cpu", 2), CPU) == "cpu" == device_label("cpu")
 
 
 def test_the_arena_fixture_maps_onto_dedicated_async_engines() -> None:

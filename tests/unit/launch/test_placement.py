@@ -9,7 +9,7 @@ import pytest
 from pbt.config.campaign import LaunchConfig
 from pbt.launch.build import build_launcher
 from pbt.launch.handahead import HandAhead
-from pbt.launch.placement import PlacementError, plan_placement, placement_for, visible_gpus
+from pbt.launch.placement import PlacementError, placement_for, plan_placement, visible_gpus
 from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
 
 
