@@ -18,14 +18,8 @@ import pytest
 import torch
 from support import FIXTURES, small_manifest
 
-from pbt.algorithms.rollout.dedicated import (
-    behaviour_weights,
-    dedicated_rollouts,
-    device_label,
-    engine_device,
-    engine_placement,
-    fresh_rows,
-)
+from pbt.algorithms.rollout.dedicated import behaviour_weights, dedicated_rollouts, fresh_rows
+from pbt.algorithms.rollout.engine_place import device_label, engine_device, engine_placement
 from pbt.algorithms.rollout.remote import RolloutEngineError
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
