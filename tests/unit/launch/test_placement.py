@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from pbt.config.campaign import LaunchConfig
+from pbt.config.campaign import LaunchConfig, SlurmConfig
 from pbt.launch.build import build_launcher
 from pbt.launch.handahead import HandAhead
 from pbt.launch.placement import PlacementError, placement_for, plan_placement, visible_gpus
+from pbt.launch.slurm import batch_script
 from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
 
 
@@ -92,3 +93,16 @@ def test_the_placement_reaches_the_launchers_slots_and_every_members_environment
     assert (p.kind, p.engine_gpus_per_member) == ("dedicated", 2) and "2 + 2 GPUs" in p.note
     job = build_launcher(slurm, tmp_path, ["true"], {}, HandAhead(), p)
     assert job.gpus_per_member == 4  # the job asks Slurm for the trainer's and the engines'
+    script = batch_script(
+        job.slurm, name="pbt-x", command=["x"], nproc=2, gpus_per_member=job.gpus_per_member,
+        log_path=tmp_path / "log", workdir=tmp_path, env=job.env,
+    )  # fmt: skip
+    assert "#SBATCH --gpus-per-node=4" in script and f"{PLACEMENT_ENV}=dedicated:2" in script
+    per_node = LaunchConfig(
+        backend="slurm", gpus_per_member=2, rollout_gpus_per_member=2,
+        slurm=SlurmConfig(nodes_per_member=2, gpus_per_node=1),
+    )  # fmt: skip
+    two = build_launcher(
+        per_node, tmp_path, ["true"], {}, HandAhead(), placement_for(per_node, "sync")
+    )
+    assert (two.gpus_per_member, two.slurm.gpus_per_node) == (4, 2)  # each node: 1 + 1
