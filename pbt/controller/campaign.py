@@ -163,7 +163,8 @@ class Campaign:
 
         Raises:
             ConfigError: the manifest cannot be read or breaks a rule (the message names it).
-            PbtError: the directory already holds a campaign (use resume) or is not empty.
+            PbtError: the directory already holds a campaign (use resume) or is not empty,
+                or the rollout engines do not fit the GPUs there are.
         """
         directory = Path(directory)
         if (directory / STORE_FILENAME).exists():
@@ -181,8 +182,12 @@ class Campaign:
                 raw["manifest"], raw["base_dir"], _flags(budget, "pbt run")
             )
         manifest = with_environment(manifest)  # the store keeps the sections as written
+        placement = placement_for(manifest.launch, manifest.rollout.mode)  # refused: no folder
         directory.mkdir(parents=True, exist_ok=True)
         campaign = cls(directory, raw, manifest, member_command)
+        campaign._placement = placement
+        if placement.note:
+            campaign.say(placement.note)
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(read.text, encoding="utf-8")
         campaign._create_generation_zero()

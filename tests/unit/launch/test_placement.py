@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pbt.config.campaign import LaunchConfig, SlurmConfig
+from pbt.controller.campaign import Campaign
 from pbt.launch.build import build_launcher
 from pbt.launch.handahead import HandAhead
 from pbt.launch.placement import PlacementError, placement_for, plan_placement, visible_gpus
@@ -106,3 +107,17 @@ def test_the_placement_reaches_the_launchers_slots_and_every_members_environment
         per_node, tmp_path, ["true"], {}, HandAhead(), placement_for(per_node, "sync")
     )
     assert (two.gpus_per_member, two.slurm.gpus_per_node) == (4, 2)  # each node: 1 + 1
+
+
+def test_a_campaign_that_cannot_place_its_engines_is_refused_before_its_folder_exists(
+    tmp_path,
+) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(
+        "model: {name: builtin:tiny}\ntask: {name: builtin:addition}\n"
+        "launch: {gpus_per_member: 1, gpu_ids: [0, 1, 2], slots: 2, mps: false,\n"
+        "         rollout_gpus_per_member: auto}\nrollout: {mode: async, max_staleness: 1}\n"
+    )
+    with pytest.raises(PlacementError, match=r"needs 4 GPUs .* but 3 are visible"):
+        Campaign.start(manifest, tmp_path / "campaign")
+    assert not (tmp_path / "campaign").exists()
