@@ -64,7 +64,8 @@ def _check(args: argparse.Namespace) -> int:
     _print_notes(manifest)
     placement = placement_for(manifest.launch, manifest.rollout.mode)
     if placement.note:
-        print(f"note: {placement.note} (on this machine)", file=sys.stderr)
+        where = " (on this machine)" if manifest.launch.backend == "local" else ""
+        print(f"note: {placement.note}{where}", file=sys.stderr)
     warning = memory.memory_warning(manifest, args.manifest)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

@@ -13,6 +13,7 @@ import sys
 import pytest
 from support import FIXTURES
 
+from pbt.cli.main import main as pbt_main
 from pbt.protocol.engines import read_statuses
 
 FIXTURE = FIXTURES / "agilerl" / "grpo_arena_auto.yaml"
@@ -20,10 +21,12 @@ PBT = [sys.executable, "-m", "pbt.cli"]
 
 
 @pytest.mark.integration
-def test_an_arena_auto_manifest_runs_on_engine_processes_that_pbt_status_shows(tmp_path) -> None:
-    check = subprocess.run([*PBT, "check", str(FIXTURE)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stderr
-    assert "note: rollout engines: 1 a member, each its own process on the CPU" in check.stderr
+def test_an_arena_auto_manifest_runs_on_engine_processes_that_pbt_status_shows(
+    tmp_path, capsys
+) -> None:
+    assert pbt_main(["check", str(FIXTURE)]) == 0
+    err = capsys.readouterr().err
+    assert "note: rollout engines: 1 a member, each its own process on the CPU" in err
     directory = tmp_path / "campaign"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
@@ -44,9 +47,8 @@ def test_an_arena_auto_manifest_runs_on_engine_processes_that_pbt_status_shows(t
         assert engine.pid != engine.trainer_pid  # a process of its own
         assert engine.restarts == 0 and engine.stale_dropped >= 0
 
-    status = subprocess.run([*PBT, "status", str(directory)], capture_output=True, text=True)
-    assert status.returncode == 0, status.stderr
-    text = status.stdout.split("rollout engines:", 1)[1]
+    assert pbt_main(["status", str(directory)]) == 0
+    text = capsys.readouterr().out.split("rollout engines:", 1)[1]
     lines = re.findall(
         r"(\S+) engine 0: pid (\d+) on cpu \(cpu\), drained, adapter v(\d+), "
         r"heartbeat \d+ s ago, restarts 0, stale_dropped (\d+)",

@@ -24,7 +24,7 @@ from pbt.algorithms.rollout.remote import RolloutEngineError
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 from pbt.config.loader import load_manifest
-from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
+from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement, read_statuses
 
 CPU = torch.device("cpu")
 FIXTURE = FIXTURES / "agilerl" / "grpo_arena_async.yaml"
@@ -147,8 +147,13 @@ def test_staleness_2_drops_what_is_too_old_and_weights_the_rest(tmp_path) -> Non
     member = _async(tmp_path, 2)
     learner, train = member.learner, member.task.train
     rewards = torch.arange(8, dtype=torch.float32)  # every group has signal: the optimizer steps
-    with dedicated_rollouts(member.host, learner, member.member_id) as session:
+    task_dir = tmp_path / "task"
+    with dedicated_rollouts(member.host, learner, member.member_id, task_dir) as session:
         assert session.ahead == 2  # one optimizer step a training step
+        (serving,) = read_statuses(task_dir)  # written as the session begins
+        assert (serving.state, serving.pid, serving.trainer_pid, serving.device) == (
+            "serving", member.host.rollout_engine.pid, os.getpid(), "cpu",
+        )  # fmt: skip
         _, first, m0 = session.take(train)
         session.settle()  # the two batches requested ahead: drawn with version 0
         assert first.versions.tolist() == [0] * 8 and m0["rollout_staleness"] == 0
@@ -165,10 +170,16 @@ def test_staleness_2_drops_what_is_too_old_and_weights_the_rest(tmp_path) -> Non
         _, third, m2 = session.take(train)
         assert m2["stale_dropped"] == 8 and third.versions.tolist() == [3] * 8
         assert m2["rollout_staleness"] == 0
+        deadline = time.monotonic() + 5.0  # the reporter rewrites the file every second
+        while read_statuses(task_dir)[0].stale_dropped != 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen = read_statuses(task_dir)[0]
+        assert (seen.stale_dropped, seen.version, seen.state) == (8, 3, "serving")
         _, fourth, m3 = session.take(train)  # requested at version 1, two behind: kept
         assert fourth.versions.min() >= 1 and m3["rollout_staleness"] <= 2
         pending = session.pending[0].data_state
     assert learner.data.state_dict() == pending  # drained: rewound to the prompts not learned
+    assert read_statuses(task_dir)[0].state == "drained"
     member.host.rollout_engine.close()
 
 
