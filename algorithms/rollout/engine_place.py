@@ -12,13 +12,15 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from pbt.config import Manifest
 from pbt.protocol.engines import EnginePlacement, EngineStatus, write_status
 
 
-def engine_placement(manifest, device: torch.device) -> EnginePlacement:
+def engine_placement(manifest: Manifest, device: torch.device) -> EnginePlacement:
     """Where this process's engine runs and how many engines a member has: the launcher's word
     (:data:`~pbt.protocol.engines.PLACEMENT_ENV`, ``auto`` resolved there); for a process
     started otherwise (library mode, a test) beside its trainer, ``auto`` meaning one engine
@@ -57,10 +59,17 @@ def device_label(device: str) -> str:
 class EngineReporter:
     """Rewrites the engine's status file (:mod:`pbt.protocol.engines`) about once a second
     from a daemon thread while the member trains, and once more at the end; ``pbt status``
-    reads it. Nothing without a folder. A failed write never fails the member."""
+    reads it. Nothing without a folder. A failed write never fails the member.
+
+    Args:
+        session: the member's :class:`~pbt.algorithms.rollout.dedicated.DedicatedRollouts`.
+        member_id, rank: whose engine it is.
+        placement: one of :data:`~pbt.protocol.engines.PLACEMENTS`.
+        folder: the task's folder (``<campaign>/tasks/<member>``), or None.
+    """
 
     def __init__(
-        self, session, member_id: str, rank: int, placement: str,
+        self, session: Any, member_id: str, rank: int, placement: str,
         folder: Path | None, interval_s: float = 1.0,
     ) -> None:  # fmt: skip
         self.session, self.member_id, self.rank = session, member_id, rank
