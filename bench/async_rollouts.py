@@ -3,6 +3,7 @@
 
     python bench/real_model.py fetch        # once: SmolLM2-135M-Instruct into the cache
     python bench/async_rollouts.py --device cuda --mps          # one GPU, trainer + engine
+    python bench/async_rollouts.py --device cuda --engine-gpu   # two GPUs: engine on GPU 1
     python bench/async_rollouts.py --model builtin:tiny --device cpu --steps 4 --eval-every 2 \\
         --prompts 2 --group 4 --tokens 8 --eval-size 8 --task builtin:letters  # CPU dry run
 
@@ -10,7 +11,8 @@ The manifest is ``configs/examples/real_model/train.yaml`` (GRPO on 2-digit addi
 static-cache engine) with the model, device, sizes and rollout settings of the command line.
 Each mode runs in a process of its own (CUDA state never shared between modes); with
 ``--mps`` a private MPS daemon serves them, so the trainer and its engine process run their
-kernels side by side on the one GPU. A mode trains ``--steps`` steps in sessions of
+kernels side by side on the one GPU; with ``--engine-gpu`` each engine runs on a GPU of its own
+(the second visible one, as a launcher places a dedicated engine). A mode trains ``--steps`` steps in sessions of
 ``--eval-every`` (each session ends with the engine drained, as a generation boundary does)
 and evaluates the held-out reward (greedy) after each; evaluation time is left out of the wall
 time. Tokens/s counts sampled completion tokens over training wall time.
@@ -50,6 +52,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task", default=None, help="task.name (default: builtin:addition)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mps", action="store_true", help="run the modes under a private MPS")
+    parser.add_argument(
+        "--engine-gpu", action="store_true", help="each engine on a GPU of its own (needs two)"
+    )
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -100,10 +105,12 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         reward = learner.evaluate(task.eval, task.reward)
         curve.append({"step": len(metrics), "wall_s": wall, "held_out": reward})
         steps.append(len(metrics))
-    if member.host.rollout_engine is not None:
-        member.host.rollout_engine.close()
+    engine = member.host.rollout_engine
+    if engine is not None:
+        engine.close()
     return {
         "mode": mode,
+        "engine_device": None if engine is None else engine.device,
         "max_staleness": MODES[mode],
         "train_wall_s": wall,
         "tokens_per_s": tokens / max(wall, 1e-9),
@@ -129,16 +136,16 @@ def _mean(values: list[float]) -> float:
 def table(records: list[dict]) -> str:
     """The records as a markdown table (held-out reward at each evaluation)."""
     lines = [
-        "| mode | train wall s | tokens/s | speed-up | held-out by step | dropped rows | "
-        "mean staleness | trainer wait s/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | engine on | train wall s | tokens/s | speed-up | held-out by step | "
+        "dropped rows | mean staleness | trainer wait s/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = next((r["tokens_per_s"] for r in records if r["mode"] == "sync"), None)
     for r in records:
         curve = ", ".join(f"{p['step']}: {p['held_out']:.3f}" for p in r["curve"])
         speed = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {r['mode']} | {r['train_wall_s']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
+            f"| {r['mode']} | {r.get('engine_device') or '-'} | {r['train_wall_s']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
             f"{curve} | {r['stale_dropped']:.0f} | {r['mean_staleness']:.2f} | "
             f"{r['mean_wait_s']:.3f} |"
         )
@@ -151,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         print("RECORD " + json.dumps(run_mode(args, args.one)), flush=True)
         return 0
     env = dict(os.environ)
+    if args.engine_gpu:
+        from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
+
+        env[PLACEMENT_ENV] = EnginePlacement("dedicated", 1).to_env()  # cuda:1, after cuda:0
     daemon = None
     if args.mps and args.device == "cuda":
         from pbt.launch.mps import MpsDaemon

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +48,11 @@ from pbt.algorithms.rollout.engine_messages import (
     SampleRequest,
     Samples,
     Served,
+)
+from pbt.algorithms.rollout.engine_place import (
+    EngineReporter,
+    engine_device,
+    engine_placement,
 )
 from pbt.algorithms.rollout.hf import RolloutBatch
 from pbt.algorithms.rollout.remote import (
@@ -137,6 +143,8 @@ class DedicatedRollouts:
         self.pending: deque[_Pending] = deque()
         self.arrived: dict[int, Samples] = {}
         self._next_request = 0
+        self.stale_dropped = 0
+        """Rows dropped this session for lagging past ``max_staleness``."""
 
     @property
     def lockstep(self) -> bool:
@@ -195,6 +203,7 @@ class DedicatedRollouts:
             dropped += len(samples.texts)
             self.pending[0] = self._resubmit(head)
         self.pending.popleft()
+        self.stale_dropped += dropped
         if self.lockstep:
             set_rng(samples.rng, self.learner.device)
         waited = time.perf_counter() - start
@@ -301,30 +310,39 @@ class DedicatedRollouts:
 
 
 @contextmanager
-def dedicated_rollouts(host, learner, member_id: str) -> Iterator[DedicatedRollouts | None]:
+def dedicated_rollouts(
+    host, learner, member_id: str, status_dir: Path | None = None
+) -> Iterator[DedicatedRollouts | None]:
     """While the block runs, ``learner`` samples its training batches on the host's dedicated
-    engine (started on first use, kept for the host's later members); nothing when the
-    manifest has none (``launch.rollout_gpus_per_member: 0``)."""
+    engine (started on first use, kept for the host's later members), which reports to
+    ``status_dir`` (:class:`EngineReporter`); nothing when the member has no engine
+    (``launch.rollout_gpus_per_member: 0``, or ``auto`` resolved to none)."""
     manifest = host.manifest
-    if manifest.launch.rollout_gpus_per_member == 0:
+    placement = engine_placement(manifest, learner.device)
+    if placement.engines_per_member == 0:
         yield None
         return
     engine = host.rollout_engine
     name = f"{member_id}'s rollout engine {host.world.rank}"
     if engine is None:
-        spec = EngineSpec(manifest, str(learner.device), torch.get_num_threads())
+        device = engine_device(placement, learner.device)
+        spec = EngineSpec(manifest, device, torch.get_num_threads())
         cfg = manifest.rollout
         engine = start_engine(spec, name, cfg.engine_timeout_s, cfg.engine_heartbeat_s)
         host.rollout_engine = engine
     engine.name = name
     session = DedicatedRollouts(engine, learner)
-    session.begin()
+    reporter = EngineReporter(session, member_id, host.world.rank, placement.kind, status_dir)
     try:
+        session.begin()
+        reporter.start()
         yield session
-    except BaseException:
+    except BaseException as err:
         learner.rollouts = None  # the engine may be the fault: no drain to wait for
+        reporter.stop("failed" if isinstance(err, RolloutEngineError) else "stopped")
         raise
     session.end()
+    reporter.stop("drained")
 
 
 def start_engine(spec: EngineSpec, name: str, timeout_s: float, heartbeat_s: float):

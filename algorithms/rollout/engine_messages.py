@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pbt.config import RolloutConfig
 
-PROTOCOL = 1
+PROTOCOL = 2
 """The version of these messages; an engine of another version refuses to start."""
 
 
@@ -74,6 +74,8 @@ class Ready:
 
     pid: int
     protocol: int
+    device: str
+    """Where the engine's model lives, as the engine process names it (``cpu``, ``cuda:1``)."""
 
 
 @dataclass(frozen=True, slots=True)

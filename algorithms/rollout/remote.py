@@ -63,7 +63,8 @@ class EngineSpec:
 
     manifest: Manifest
     device: str
-    """``cpu`` or ``cuda:N``: the engine's device (its trainer rank's, shared under MPS)."""
+    """``cpu`` or ``cuda:N``: the engine's device: a GPU of its own after the trainer's
+    (``dedicated``), or its trainer rank's (``shared`` under MPS, or the CPU)."""
     threads: int
     """Intra-op CPU threads: the trainer's, so CPU sampling computes what the trainer would."""
 
@@ -74,7 +75,7 @@ def engine_main(spec: EngineSpec, requests, adapters, replies, beat, session) ->
     try:
         torch.set_num_threads(spec.threads)
         server = _Server(spec, adapters, replies, session)
-        replies.put(Ready(os.getpid(), PROTOCOL))
+        replies.put(Ready(os.getpid(), PROTOCOL, str(server.params[0].device)))
         server.serve(requests)
     except Exception as err:  # one line back to the trainer, then exit non-zero
         replies.put(Failed(f"{type(err).__name__}: {err}".splitlines()[0]))
@@ -199,6 +200,8 @@ class EngineProcess:
         self.spec, self.name = spec, name
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.restarts = 0
+        self.device = spec.device
+        """Where the engine's model lives, as the engine reported it once started."""
         self.process: Any = None
         self._session = 0
         self._start()
@@ -226,6 +229,7 @@ class EngineProcess:
             raise EngineFailure(
                 f"{self.describe()} speaks protocol {ready.protocol}, not {PROTOCOL}"
             )
+        self.device = ready.device
 
     def restart(self) -> None:
         """Stop the process (whatever state it is in) and start a fresh one."""

@@ -162,6 +162,8 @@ class Member:
         device: where the model lives.
         member_id: this member's name in lineage records.
         host: the model to train through; built from ``manifest`` when omitted.
+        engine_status_dir: the folder where this member's dedicated rollout engines report
+            (a campaign task's folder, read by ``pbt status``); None: they do not.
     """
 
     def __init__(
@@ -170,8 +172,10 @@ class Member:
         device: torch.device,
         member_id: str = "member-0",
         host: Host | None = None,
+        engine_status_dir: Path | None = None,
     ) -> None:
         self.host = host or Host(manifest, device)
+        self.engine_status_dir = engine_status_dir
         self.manifest = manifest
         self.device = device
         self.member_id = member_id
@@ -234,7 +238,7 @@ class Member:
                 identical, so the update was skipped) is explained, once, as ``step N: <why,
                 and what to change>``, and where a collapse is announced; None says nothing.
         """
-        with dedicated_rollouts(self.host, self.learner, self.member_id):
+        with dedicated_rollouts(self.host, self.learner, self.member_id, self.engine_status_dir):
             return self._train(steps, on_step, say)
 
     def _train(

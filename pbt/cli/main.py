@@ -43,6 +43,7 @@ from pbt.config.sections.campaign import BudgetConfig
 from pbt.controller.budget import FLAGS
 from pbt.controller.campaign import Campaign
 from pbt.controller.report import fitness_curve_text, lineage_png, lineage_text, status_text
+from pbt.launch.placement import placement_for
 from pbt.protocol.logs import quiet_library_loggers
 from pbt.worker import train
 from pbt.worker.train import build_parser as train_parser
@@ -61,6 +62,10 @@ def _check(args: argparse.Namespace) -> int:
     if args.resolved:
         print(resolved_yaml(manifest), end="")
     _print_notes(manifest)
+    placement = placement_for(manifest.launch, manifest.rollout.mode)
+    if placement.note:
+        where = " (on this machine)" if manifest.launch.backend == "local" else ""
+        print(f"note: {placement.note}{where}", file=sys.stderr)
     warning = memory.memory_warning(manifest, args.manifest)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

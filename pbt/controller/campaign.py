@@ -91,6 +91,7 @@ from pbt.launch.build import build_launcher, member_env
 from pbt.launch.handahead import HandAhead
 from pbt.launch.local import LocalLauncher
 from pbt.launch.mps import MpsDaemon
+from pbt.launch.placement import Placement, placement_for
 from pbt.launch.processes import end_campaign_processes
 from pbt.protocol.crash import crash_point
 from pbt.protocol.faults import NOT_RETRIED
@@ -136,6 +137,7 @@ class Campaign:
         self.log = CampaignLog(directory, self.manifest)
         self._workers: LocalLauncher | None = None
         self._mps: MpsDaemon | None = None
+        self._placement: Placement | None = None
         self.hand_ahead = HandAhead()
         """The next generation's tasks handed ahead to long-lived workers (see :meth:`_guess_next`)."""
         self.outcomes = Outcomes(
@@ -161,7 +163,8 @@ class Campaign:
 
         Raises:
             ConfigError: the manifest cannot be read or breaks a rule (the message names it).
-            PbtError: the directory already holds a campaign (use resume) or is not empty.
+            PbtError: the directory already holds a campaign (use resume) or is not empty,
+                or the rollout engines do not fit the GPUs there are.
         """
         directory = Path(directory)
         if (directory / STORE_FILENAME).exists():
@@ -179,8 +182,12 @@ class Campaign:
                 raw["manifest"], raw["base_dir"], _flags(budget, "pbt run")
             )
         manifest = with_environment(manifest)  # the store keeps the sections as written
+        placement = placement_for(manifest.launch, manifest.rollout.mode)  # refused: no folder
         directory.mkdir(parents=True, exist_ok=True)
         campaign = cls(directory, raw, manifest, member_command)
+        campaign._placement = placement
+        if placement.note:
+            campaign.say(placement.note)
         campaign.store.save_config(raw)
         (directory / "manifest.yaml").write_text(read.text, encoding="utf-8")
         campaign._create_generation_zero()
@@ -520,7 +527,8 @@ class Campaign:
                     f"{generation - 1}'s last checkpoints were written"
                 )
             for outcome in outcomes:
-                gpu_seconds += outcome.seconds * launch.gpus_per_member
+                gpus = launch.gpus_per_member + self._engine_placement().engine_gpus_per_member
+                gpu_seconds += outcome.seconds * gpus
             pending = self._settle(generation, pending, outcomes)
         return gpu_seconds
 
@@ -597,12 +605,25 @@ class Campaign:
         MPS daemon when members share GPUs under MPS, and its hand-ahead."""
         launch = self.manifest.launch
         env = member_env(launch)
-        if launch.members_per_gpu > 1 and launch.gpus_per_member and launch.mps:
+        placement = self._engine_placement()
+        shared = launch.members_per_gpu > 1 or placement.kind == "shared"
+        if shared and launch.gpus_per_member and launch.mps:
             if self._mps is None:
                 self._mps = MpsDaemon().start()
                 self.say(self._mps.note)
             env.update(self._mps.env)
-        return build_launcher(launch, self.dir, self.member_command, env, self.hand_ahead)
+        return build_launcher(
+            launch, self.dir, self.member_command, env, self.hand_ahead, placement
+        )
+
+    def _engine_placement(self) -> Placement:
+        """Where the members' rollout engines run (:mod:`pbt.launch.placement`), decided once
+        and said in the log."""
+        if self._placement is None:
+            self._placement = placement_for(self.manifest.launch, self.manifest.rollout.mode)
+            if self._placement.note:
+                self.say(self._placement.note)
+        return self._placement
 
     def _checkpoint_path(self, path: str, what: str) -> Path:
         """Where checkpoint ``path`` (relative to the campaign, from the store) lies on disk.

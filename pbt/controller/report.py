@@ -17,6 +17,7 @@ from pbt.controller.lock import controller_running, last_controller
 from pbt.controller.progress import describe, format_duration
 from pbt.controller.store import STORE_FILENAME, CampaignStore
 from pbt.launch.slurm import WAITING, read_job
+from pbt.protocol.engines import read_statuses
 from pbt.protocol.progress import read_progress
 from pbt.protocol.records import MemberRecord
 
@@ -31,8 +32,9 @@ def status_text(directory: Path) -> str:
     """Generation, whether a controller runs it (when it has work left), each member's status
     (``collapsed`` for one ended for lack of signal, ``interrupted`` for one whose controller
     died while it ran), fitness, zero-signal fraction (mean over its steps / last step) and
-    hyperparameters, each running member's progress (from its heartbeat) and log, every fault,
-    and the broken checkpoints that members were replaced for."""
+    hyperparameters, each running member's progress (from its heartbeat) and log, the dedicated
+    rollout engines of the current generation's members, every fault, and the broken
+    checkpoints that members were replaced for."""
     with _open(directory) as store:
         members = store.members()
         faults = store.faults()
@@ -56,6 +58,9 @@ def status_text(directory: Path) -> str:
     if running:
         lines += ["", "last seen running:" if gone else "running:"]
         lines += [_running_line(Path(directory), m, jobs.get(m.member_id)) for m in running]
+    engines = _engine_lines(Path(directory), table)
+    if engines:
+        lines += ["", "rollout engines:", *engines]
     if faults:
         lines += ["", f"faults ({len(faults)}):"]
         lines += [
@@ -111,6 +116,18 @@ def _running_line(directory: Path, m: MemberRecord, job: dict | None) -> str:
         where = f"job {job['job_id']} {job.get('state', '?')}{reason}  "
     progress = _progress(directory / "tasks" / m.member_id / "heartbeat")
     return f"  {m.member_id}  {where}{progress}  log {log}"
+
+
+def _engine_lines(directory: Path, members: list[MemberRecord]) -> list[str]:
+    """A line per dedicated rollout engine of ``members``, from the status files their trainers
+    write (:mod:`pbt.protocol.engines`): pid, device, adapter version, heartbeat age, restarts
+    and rows dropped as stale."""
+    now = time.time()
+    return [
+        f"  {m.member_id} {status.line(now)}"
+        for m in members
+        for status in read_statuses(directory / "tasks" / m.member_id)
+    ]
 
 
 def _progress(heartbeat: Path) -> str:

@@ -4,13 +4,15 @@ one per task or long-lived workers, with the members' environment. No torch here
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
-from pbt.config.sections.campaign import LaunchConfig
+from pbt.config.sections.campaign import LaunchConfig, SlurmConfig
 from pbt.launch import slurm
 from pbt.launch.handahead import HandAhead
 from pbt.launch.local import LocalLauncher, member_command
 from pbt.launch.persistent import PersistentLauncher
+from pbt.launch.placement import COLOCATED, Placement
 
 
 def member_env(launch: LaunchConfig) -> dict[str, str]:
@@ -29,6 +31,7 @@ def build_launcher(
     command: list[str] | None,
     env: dict[str, str],
     hand_ahead: HandAhead,
+    placement: Placement = COLOCATED,
 ) -> LocalLauncher:
     """The launcher for ``launch`` in campaign ``directory``.
 
@@ -37,20 +40,25 @@ def build_launcher(
             or under ``srun`` on Slurm); tests give a fake member.
         env: variables added to every member's environment.
         hand_ahead: where tasks handed ahead to long-lived workers are kept between calls.
+        placement: where the members' rollout engines run (:mod:`pbt.launch.placement`): each
+            slot's GPUs, and on Slurm the engine GPUs each job asks for.
     """
+    env = {**env, **placement.env()}
     kind, extra = LocalLauncher, {}
     if launch.persistent_workers:
         kind, extra = PersistentLauncher, {"workers_dir": directory / "workers"}
+    gpus = launch.gpus_per_member
     if launch.backend == "slurm":
         command = command or slurm.slurm_member_command()
         kind = slurm.SlurmPersistentLauncher if launch.persistent_workers else slurm.SlurmLauncher
-        extra |= {"slurm": launch.slurm, "name": f"pbt-{directory.resolve().name}"}
+        config, gpus = _with_engine_gpus(launch, placement.engine_gpus_per_member)
+        extra |= {"slurm": config, "name": f"pbt-{directory.resolve().name}"}
     limit = launch.memory_limit_gib
-    return kind(
+    launcher = kind(
         command or member_command(),
         **extra,
         slots=launch.slots,
-        gpus_per_member=launch.gpus_per_member,
+        gpus_per_member=gpus,
         gpu_ids=launch.gpu_ids,
         members_per_gpu=launch.members_per_gpu,
         heartbeat_timeout_s=launch.heartbeat_timeout_s,
@@ -60,3 +68,18 @@ def build_launcher(
         memory_limit_bytes=None if limit is None else int(limit * 2**30),
         hand_ahead=hand_ahead,
     )
+    if placement.slot_devices:
+        launcher.slot_gpus = list(placement.slot_devices)  # trainer GPUs, then engine GPUs
+    return launcher
+
+
+def _with_engine_gpus(launch: LaunchConfig, engine_gpus: int) -> tuple[SlurmConfig, int]:
+    """The Slurm section and GPUs per member job with the member's engine GPUs added (each
+    node's share beside its trainer GPUs, which Slurm lists first)."""
+    config = launch.slurm
+    if not engine_gpus or not launch.gpus_per_member:
+        return config, launch.gpus_per_member
+    nodes = config.nodes_per_member
+    if config.gpus_per_node is not None:
+        config = replace(config, gpus_per_node=config.gpus_per_node + engine_gpus // nodes)
+    return config, launch.gpus_per_member + engine_gpus

@@ -43,7 +43,7 @@ from pbt.protocol import faults
 from pbt.protocol.collapse import COLLAPSED, signal_summary
 from pbt.protocol.files import Heartbeat
 from pbt.protocol.messages import Fault, MessageError, ResultMessage, TaskMessage
-from pbt.protocol.paths import inside
+from pbt.protocol.paths import inside, plain_name
 from pbt.protocol.progress import ProgressReport
 from pbt.protocol.records import member_seed
 from pbt.worker import cache
@@ -194,7 +194,9 @@ def _member(task: TaskMessage, host: Any, world: Any) -> tuple[Any, Any]:
         host.reset_adapter()
     else:
         host = Host(manifest, device)
-    return Member(manifest, device, task.member_id, host=host), host
+    member_dir = plain_name(task.member_id, "the task's member id")
+    status_dir = Path(task.campaign_dir) / "tasks" / member_dir  # the task's own folder
+    return Member(manifest, device, task.member_id, host=host, engine_status_dir=status_dir), host
 
 
 def _find_parent(

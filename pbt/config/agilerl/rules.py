@@ -317,8 +317,12 @@ RANGE_NAMES: dict[str, tuple[tuple[str, str | None], ...]] = {
 
 
 def _engines(value: Any) -> Outcome:
+    if value == "auto":
+        return Outcome(sets=(("launch.rollout_gpus_per_member", "auto"),))
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return Outcome(problem="must be a whole number >= 0 (0: colocated rollouts); e.g. 1")
+        return Outcome(
+            problem="must be a whole number >= 0 (0: colocated rollouts) or auto; e.g. 1"
+        )
     return Outcome(sets=(("launch.rollout_gpus_per_member", value),))
 
 
@@ -360,5 +364,57 @@ TRAINING_RULES: dict[str, KeyRule] = {
     "ROLLOUT_MODE": KeyRule(
         ("rollout.mode",), "colocated/sync, or async (samples ahead on the engines)", _rollout_mode
     ),
+    "WEIGHT_SYNC_INTERVAL": _refuse_unless(
+        lambda v: v == 1,
+        "1 only: the adapter crosses after every step",
+        "would let the engines lag several steps between adapter syncs, which this trainer "
+        "does not do (it sends the adapter after every step); remove it or set it to 1",
+    ),
+    "WEIGHT_SYNC_BACKEND": _note(
+        "ignored",
+        "the adapter crosses to an engine on the same host through shared memory, LoRA only",
+    ),
 }
 """The ``training:`` keys of AgileRL's manifest (uppercased), the Arena keys among them."""
+
+
+def _version_lag(value: Any) -> Outcome:
+    if value is None:
+        return Outcome(
+            note="an unbounded lag has no equivalent here; rollout.max_staleness keeps its "
+            "value (0 by default: every batch drawn with the current adapter)"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return Outcome(problem="must be a whole number >= 0 (0: no lag); e.g. 1")
+    return Outcome(sets=(("rollout.max_staleness", value),))
+
+
+def _buffer_kind(value: Any) -> Outcome:
+    if value == "llm":
+        return Outcome()
+    return Outcome(
+        problem="is AgileRL's buffer for off-policy agents; an LLM member's async rollouts "
+        "queue on its engines: set kind: llm"
+    )
+
+
+_NO_BUFFER = (
+    "a member's engine queues at most max_staleness / (optimizer steps per step) batches "
+    "ahead; there is no buffer to size"
+)
+
+REPLAY_BUFFER_RULES: dict[str, KeyRule] = {
+    "KIND": KeyRule((), "llm: the async rollout queue", _buffer_kind),
+    "MAX_ROLLOUT_VERSION_LAG": KeyRule(
+        ("rollout.max_staleness",),
+        "adapter versions a sample may lag; x algorithm.update_epochs optimizer steps",
+        _version_lag,
+    ),
+    "MAX_SIZE": _note("ignored", _NO_BUFFER),
+    "MEMORY_SIZE": _note("ignored", _NO_BUFFER),
+    "BUFFER_OCCUPANCY_MULTIPLIER": _note("ignored", _NO_BUFFER),
+    "NAME": _note("ignored", "a label for AgileRL's logs"),
+}
+"""The ``replay_buffer:`` keys of AgileRL's manifest (uppercased): Arena's async rollout queue.
+A version there is one weight sync, after each learning step; here a step takes
+``update_epochs`` optimizer steps, in which ``rollout.max_staleness`` counts."""

@@ -23,6 +23,7 @@ from pbt.config.agilerl.rules import (
     INIT_HP_RULES,
     MUTATION_RULES,
     RANGE_NAMES,
+    REPLAY_BUFFER_RULES,
     TRAINING_RULES,
     KeyRule,
     Translation,
@@ -40,8 +41,11 @@ __all__ = [
     "translate_sections",
 ]
 
-_SECTIONS = ("algorithm", "environment", "training", "mutation", "selection_strategy", "network")
-_OWN_ONLY = ("network", "environment", "selection_strategy")
+_SECTIONS = (
+    "algorithm", "environment", "training", "mutation", "selection_strategy", "network",
+    "replay_buffer",
+)  # fmt: skip
+_OWN_ONLY = ("network", "environment", "selection_strategy", "replay_buffer")
 """Top-level keys only AgileRL's format has."""
 _DISTINCT = {
     "algorithm": {"batch_size", "clip_coef", "use_vllm", "vllm_config", "fsdp", "calc_position_embeddings"},
@@ -170,7 +174,33 @@ def translate_sections(data: dict[str, Any]) -> tuple[dict[str, Any], Translatio
             out.problems.append(f"{name} must be a mapping, got {block!r}")
             continue
         _SECTION_HANDLERS[name](out, block)
+    _lag_in_optimizer_steps(out)
     return rest, out
+
+
+_LAG = "replay_buffer.max_rollout_version_lag"
+
+
+def _lag_in_optimizer_steps(out: Translation) -> None:
+    """Arena counts a sample's lag in weight syncs, one per learning step; ``rollout.
+    max_staleness`` counts optimizer steps, ``algorithm.update_epochs`` of them a step."""
+    epochs = next((v for p, v, _ in out.sets if p == "algorithm.update_epochs"), 1)
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        return  # the algorithm section reports it
+    out.sets = [
+        (path, value * epochs if origin == _LAG else value, origin)
+        for path, value, origin in out.sets
+    ]
+
+
+def _replay_buffer(out: Translation, block: dict[str, Any]) -> None:
+    for key, value in block.items():
+        rule = REPLAY_BUFFER_RULES.get(str(key).upper())
+        if rule is None:
+            known = ", ".join(k.lower() for k in REPLAY_BUFFER_RULES)
+            out.problems.append(f"replay_buffer.{key} is not a known key; known: {known}")
+            continue
+        out.apply(rule, f"replay_buffer.{key}", value)
 
 
 def _algorithm(out: Translation, block: dict[str, Any]) -> None:
@@ -248,6 +278,7 @@ _SECTION_HANDLERS: dict[str, Callable[[Translation, dict[str, Any]], None]] = {
     "mutation": _mutation,
     "selection_strategy": _selection,
     "network": translate_network,
+    "replay_buffer": _replay_buffer,
 }
 
 
@@ -260,6 +291,10 @@ def mapping_rows() -> list[tuple[str, str, str]]:
          "a mutation range for each hyperparameter named by a pair (`MIN_LR`/`MAX_LR` -> `lr`)")
     )  # fmt: skip
     rows += [(f"`training.{k.lower()}`", _targets(r), r.meaning) for k, r in TRAINING_RULES.items()]
+    rows += [
+        (f"`replay_buffer.{k.lower()}`", _targets(r), r.meaning)
+        for k, r in REPLAY_BUFFER_RULES.items()
+    ]
     return rows
 
 

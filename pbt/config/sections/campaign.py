@@ -275,12 +275,14 @@ class LaunchConfig:
     """GPUs (and torchrun ranks) per member; 0 runs each member on the CPU."""
     nproc_per_member: PositiveInt = 1
     """Ranks per member when ``gpus_per_member`` is 0 (CPU processes)."""
-    rollout_gpus_per_member: Count = 0
+    rollout_gpus_per_member: Count | Literal["auto"] = 0
     """Dedicated rollout engines of a member (AgileRL Arena's ``rollout_engines_per_agent``),
-    one per trainer rank or a multiple: processes that sample with the member's latest adapter
-    while it trains (``rollout.mode``). 0: the trainer samples itself (colocated). An engine
-    runs on its trainer rank's device as its own process (one GPU shared under MPS, or the
-    CPU); see docs/rollouts.md."""
+    one per trainer rank: processes that sample with the member's latest adapter while it
+    trains (``rollout.mode``). 0: the trainer samples itself (colocated). Each engine gets a
+    GPU of its own when enough are visible beyond the trainers'; else (one GPU, or MPS on) it
+    shares its trainer's GPU as its own process. ``auto``: engines on GPUs of their own if the
+    spare GPUs hold one per trainer rank for every slot, else shared GPUs for ``rollout.mode:
+    async`` and none (colocated) for ``sync``; ``pbt check`` says which. See docs/rollouts.md."""
     slots: PositiveInt = 1
     """Members trained at once; more wait in a queue."""
     gpu_ids: list[Count] | None = None

@@ -165,6 +165,8 @@ def dedicated_problems(manifest) -> list[str]:
     """Dedicated engines and asynchronous rollouts against the rest of a manifest: what the
     member trains, which engine samples, and the ranks it runs on."""
     rollout, engines = manifest.rollout, manifest.launch.rollout_gpus_per_member
+    if engines == "auto" and rollout.mode == "sync":
+        return []  # auto without async rollouts is no engine: the trainer samples itself
     if engines == 0:
         if rollout.mode == "async":
             return [
@@ -200,9 +202,10 @@ def dedicated_problems(manifest) -> list[str]:
             "members (fsdp: false) or rollout_gpus_per_member: 0"
         )
     ranks = manifest.launch.ranks
-    if engines % ranks:
+    if engines != "auto" and engines != ranks:
         problems.append(
             f"launch.rollout_gpus_per_member ({engines}) gives each of the member's {ranks} "
-            f"ranks its own engine: make it a multiple of {ranks}"
+            f"ranks its own engine: set it to {ranks} (one engine per trainer rank; more are "
+            "not supported yet) or auto"
         )
     return problems

@@ -19,10 +19,12 @@ import torch
 from support import FIXTURES, small_manifest
 
 from pbt.algorithms.rollout.dedicated import behaviour_weights, dedicated_rollouts, fresh_rows
+from pbt.algorithms.rollout.engine_place import device_label, engine_device, engine_placement
 from pbt.algorithms.rollout.remote import RolloutEngineError
 from pbt.algorithms.runtime.member import Member
 from pbt.config.errors import ConfigError
 from pbt.config.read.loader import load_manifest
+from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement, read_statuses
 
 CPU = torch.device("cpu")
 FIXTURE = FIXTURES / "agilerl" / "grpo_arena_async.yaml"
@@ -73,6 +75,12 @@ def test_bad_values_are_one_line_each(tmp_path) -> None:
         ({"rollout": {"max_staleness": -1}}, "rollout.max_staleness (-1) must be >= 0"),
         ({"launch": {"rollout_gpus_per_member": -1}}, "launch.rollout_gpus_per_member (-1)"),
         ({**DEDICATED, "rollout": {"engine": "vllm"}}, "rollout.engine ('vllm') runs colocated"),
+        (
+            {"launch": {"rollout_gpus_per_member": 2}},
+            "launch.rollout_gpus_per_member (2) gives each of the member's 1 ranks its own "
+            "engine: set it to 1",
+        ),
+        ({"launch": {"rollout_gpus_per_member": "all"}}, "launch.rollout_gpus_per_member"),
         ({**DEDICATED, "algorithm": {"dynamic_sampling": True}}, "algorithm.dynamic_sampling"),
         ({**DEDICATED, "algorithm": {"name": "PPO"}}, "serves the GRPO family's rollouts"),
         (
@@ -85,6 +93,28 @@ def test_bad_values_are_one_line_each(tmp_path) -> None:
             small_manifest(tmp_path, **sections)
         assert any(start in p for p in err.value.problems), err.value.problems
         assert all("\n" not in p for p in err.value.problems)
+
+
+def test_the_engine_runs_where_the_launcher_placed_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(PLACEMENT_ENV, raising=False)
+    auto = small_manifest(tmp_path, launch={"rollout_gpus_per_member": "auto"})
+    assert engine_placement(auto, CPU) == EnginePlacement("colocated", 0)  # sync: none
+    auto_async = small_manifest(
+        tmp_path, launch={"rollout_gpus_per_member": "auto"}, rollout={"mode": "async"}
+    )
+    assert engine_placement(auto_async, CPU) == EnginePlacement("cpu", 1)
+    assert engine_placement(auto_async, torch.device("cuda", 0)) == EnginePlacement("shared", 1)
+    monkeypatch.setenv(PLACEMENT_ENV, "dedicated:1")  # the launcher's word wins
+    assert engine_placement(auto_async, CPU) == EnginePlacement("dedicated", 1)
+    assert engine_placement(small_manifest(tmp_path), CPU).engines_per_member == 0
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # trainers 4, 5; engines 6, 7
+    device = engine_device(EnginePlacement("dedicated", 2), torch.device("cuda", 1))
+    assert device == "cuda:3" and device_label(device) == "cuda:3 (GPU 7)"
+    shared = engine_device(EnginePlacement("shared", 2), torch.device("cuda", 1))
+    assert shared == "cuda:1" and device_label(shared) == "cuda:1 (GPU 5)"
+    assert engine_device(EnginePlacement("cpu", 2), CPU) == "cpu" == device_label("cpu")
 
 
 def test_the_arena_fixture_maps_onto_dedicated_async_engines() -> None:
@@ -117,8 +147,13 @@ def test_staleness_2_drops_what_is_too_old_and_weights_the_rest(tmp_path) -> Non
     member = _async(tmp_path, 2)
     learner, train = member.learner, member.task.train
     rewards = torch.arange(8, dtype=torch.float32)  # every group has signal: the optimizer steps
-    with dedicated_rollouts(member.host, learner, member.member_id) as session:
+    task_dir = tmp_path / "task"
+    with dedicated_rollouts(member.host, learner, member.member_id, task_dir) as session:
         assert session.ahead == 2  # one optimizer step a training step
+        (serving,) = read_statuses(task_dir)  # written as the session begins
+        assert (serving.state, serving.pid, serving.trainer_pid, serving.device) == (
+            "serving", member.host.rollout_engine.pid, os.getpid(), "cpu",
+        )  # fmt: skip
         _, first, m0 = session.take(train)
         session.settle()  # the two batches requested ahead: drawn with version 0
         assert first.versions.tolist() == [0] * 8 and m0["rollout_staleness"] == 0
@@ -135,10 +170,16 @@ def test_staleness_2_drops_what_is_too_old_and_weights_the_rest(tmp_path) -> Non
         _, third, m2 = session.take(train)
         assert m2["stale_dropped"] == 8 and third.versions.tolist() == [3] * 8
         assert m2["rollout_staleness"] == 0
+        deadline = time.monotonic() + 5.0  # the reporter rewrites the file every second
+        while read_statuses(task_dir)[0].stale_dropped != 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen = read_statuses(task_dir)[0]
+        assert (seen.stale_dropped, seen.version, seen.state) == (8, 3, "serving")
         _, fourth, m3 = session.take(train)  # requested at version 1, two behind: kept
         assert fourth.versions.min() >= 1 and m3["rollout_staleness"] <= 2
         pending = session.pending[0].data_state
     assert learner.data.state_dict() == pending  # drained: rewound to the prompts not learned
+    assert read_statuses(task_dir)[0].state == "drained"
     member.host.rollout_engine.close()
 
 

@@ -294,6 +294,40 @@ def test_arena_dedicated_async_engines() -> None:
         manifest_from_dict(arena)
 
 
+def test_arena_auto_engines_and_the_version_lag_in_optimizer_steps() -> None:
+    arena = {
+        "algorithm": {"name": "GRPO", "update_epochs": 2},
+        "training": {"rollout_engines_per_agent": "auto", "rollout_mode": "async"},
+        "replay_buffer": {"kind": "llm", "max_rollout_version_lag": 3, "max_size": 64},
+    }
+    m = manifest_from_dict(arena)
+    assert m.launch.rollout_gpus_per_member == "auto"
+    assert m.rollout.max_staleness == 6  # 3 learning steps of 2 optimizer steps each
+    assert any(n.startswith("replay_buffer.max_size (64): ") for n in m.notes())
+    del arena["algorithm"]["update_epochs"]
+    assert manifest_from_dict(arena).rollout.max_staleness == 3
+    arena["training"]["rollout_mode"] = "colocated"  # auto without async: no engine
+    arena["replay_buffer"] = {"kind": "llm"}
+    assert manifest_from_dict(arena).launch.rollout_gpus_per_member == "auto"
+    bad = {
+        "algorithm": {"name": "GRPO"},
+        "training": {"rollout_engines_per_agent": "many", "weight_sync_interval": 2},
+        "replay_buffer": {"kind": "classic", "max_rollout_version_lag": -1, "sizee": 1},
+    }
+    with pytest.raises(ConfigError) as err:
+        manifest_from_dict(bad)
+    problems = err.value.problems
+    for start in (
+        "training.rollout_engines_per_agent ('many') must be a whole number >= 0",
+        "training.weight_sync_interval (2) would let the engines lag",
+        "replay_buffer.kind ('classic') is AgileRL's buffer for off-policy agents",
+        "replay_buffer.max_rollout_version_lag (-1) must be a whole number >= 0",
+        "replay_buffer.sizee is not a known key; known: kind, max_rollout_version_lag",
+    ):
+        assert any(p.startswith(start) for p in problems), (start, problems)
+    assert all("\n" not in p for p in problems)
+
+
 @pytest.mark.parametrize(
     ("given", "start"),
     [
