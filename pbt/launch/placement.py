@@ -31,8 +31,8 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pbt.config.sections.campaign import LaunchConfig
 from pbt.config.errors import PbtError
+from pbt.config.sections.campaign import LaunchConfig
 from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
 
 
