@@ -140,6 +140,7 @@ class _Completion:
 class _Output:
     def __init__(self, n, eos):
         self.outputs = [_Completion([5, 6, eos]) for _ in range(n)]
+        self.num_cached_tokens = 0
 
 
 class _RecordingEngine:
