@@ -5,7 +5,9 @@ share). It loads the frozen base once and serves each member's adapter as a name
 
 - after an optimizer step the member's adapter is written to a rank-local folder (megabytes:
   the adapter alone, gathered from its shards under FSDP2) and reloaded into the engine *in
-  place* (``LoRARequest(load_inplace=True)``): no engine restart, no copy of the base weights;
+  place* (``LoRARequest(load_inplace=True)``): no engine restart, no copy of the base weights.
+  The prefix cache is emptied then: it keys blocks by the adapter's name and folder, which the
+  reload keeps, so it would serve keys and values computed with the old adapter;
 - several members' prompts go out in one batch, each prompt with its member's
   ``LoRARequest``: this is how a shared-base population rolls out all its members at once;
 - between rollouts the engine sleeps (KV cache freed, weights offloaded) so the optimizer has
@@ -177,6 +179,10 @@ class VLLMRollout:
         if known:
             self.llm.llm_engine.remove_lora(lora_id)
         self.llm.llm_engine.add_lora(request)
+        if known:
+            # the prefix cache keys blocks by the adapter's name and folder, which a reload
+            # keeps: blocks computed with the old weights would be served to the new ones
+            self.llm.reset_prefix_cache()
         self.adapter_loads += 1
         learner.adapter_stale = False
 

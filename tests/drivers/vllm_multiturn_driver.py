@@ -7,7 +7,9 @@ adapter set to random values, so replies vary). Writes what it saw to OUT as JSO
 - greedy episodes from vLLM and from ``generate`` on the same seeds: ids, loss masks, turns;
 - sampled episodes from vLLM: whether each trajectory's sampled tokens are exactly the ids the
   engine returned, turn by turn; the engine's log-probs of them against the trainer's;
-- each turn's prompt tokens and how many of them the engine found in its prefix cache.
+- each turn's prompt tokens and how many of them the engine found in its prefix cache;
+- after the adapter changes and is reloaded in place, the same seeds' episodes again: their
+  log-probs against the trainer's (the prefix cache must not serve the old adapter's blocks).
 
     vllm_multiturn_driver.py OUT
 """
@@ -85,6 +87,24 @@ def kept_as_sampled(trajectories, seen, eos: int) -> bool:
     return True
 
 
+def randomize(learner, seed: int) -> None:
+    """Random adapter values (so replies vary), marked for the engine to reload."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in learner.named_params:
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "lora_B" in name else 0.2))
+    learner.adapter_stale = True
+
+
+def logprob_gap(learner, trajectories) -> tuple[int, float]:
+    """Sampled tokens, and the largest gap between the trainer's and the engine's log-probs."""
+    batch = to_batch(trajectories, learner.tokenizer, CPU)
+    with torch.no_grad():
+        trainer = sequence_logprobs(learner.model, batch, TEMPERATURE)
+    mask = batch.completion_mask.bool()
+    return int(mask.sum()), float((trainer - batch.logprobs)[mask].abs().max())
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     sections = small_sections(
@@ -102,11 +122,7 @@ def main() -> None:
     member = Member(manifest_from_dict(sections, base_dir=out.parent), CPU)
     learner, episodes = member.learner, member.task.reward
     engine = learner.engine
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in learner.named_params:
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "lora_B" in name else 0.2))
-    learner.adapter_stale = True
+    randomize(learner, seed=0)
     seeds = [int(ex.question) for ex in member.task.eval[:4]]
     eos = learner.tokenizer.eos_token_id
     report: dict = {}
@@ -125,12 +141,14 @@ def main() -> None:
     report["sampled_kept"] = kept_as_sampled(played, seen, eos)
     report["sampled_turns"] = [t.turns for t in played]
     report["cache_per_call"] = cache  # (prompt tokens, of which found in the prefix cache)
-    batch = to_batch(played, learner.tokenizer, CPU)
-    with torch.no_grad():
-        trainer = sequence_logprobs(learner.model, batch, TEMPERATURE)
-    mask = batch.completion_mask.bool()
-    report["logprob_tokens"] = int(mask.sum())
-    report["logprob_max_gap"] = float((trainer - batch.logprobs)[mask].abs().max())
+    report["logprob_tokens"], report["logprob_max_gap"] = logprob_gap(learner, played)
+
+    # the adapter changes (as an optimizer step changes it) and is reloaded in place: the same
+    # seeds' episodes must be sampled with the new weights, not from blocks the prefix cache
+    # kept from the old ones
+    randomize(learner, seed=1)
+    played = play(learner, episodes, seeds[:2], repeats=4, temperature=TEMPERATURE)
+    report["reloaded_tokens"], report["reloaded_max_gap"] = logprob_gap(learner, played)
 
     out.write_text(json.dumps(report))
 

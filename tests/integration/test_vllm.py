@@ -162,6 +162,10 @@ class _RecordingEngine:
     def remove_lora(self, lora_id):
         self.calls.append(f"remove {lora_id}")
 
+    def reset_prefix_cache(self):
+        self.calls.append("reset prefix cache")
+        return True
+
     def generate(self, prompts, sampling_params, lora_request, use_tqdm):
         self.calls.append(f"generate {len(prompts)}")
         return [_Output(p.n, self.eos) for p in sampling_params]
@@ -169,8 +173,8 @@ class _RecordingEngine:
 
 @needs_vllm
 def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypatch):
-    """Generate, then sleep through the optimizer step; wake before the adapter reload and
-    before the next rollout. The adapter folder it writes loads as a plain PEFT adapter."""
+    """Generate, then sleep through the optimizer step; wake before the adapter reload (which
+    empties the prefix cache) and before the next rollout. The adapter folder it writes loads as a plain PEFT adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -198,7 +202,7 @@ def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypat
     assert fake.calls == [
         "add m0 inplace=False", "generate 1", "sleep1",
         "wake", "generate 2", "sleep1",
-        "wake", "remove 1", "add m0 inplace=True", "generate 1", "sleep1",
+        "wake", "remove 1", "add m0 inplace=True", "reset prefix cache", "generate 1", "sleep1",
     ]  # fmt: skip
     assert batch.completion_ids[0].tolist()[:3] == [5, 6, member.tokenizer.eos_token_id]
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))

@@ -58,6 +58,14 @@ def test_sampled_ids_are_kept_exactly_and_scored_as_the_engine_sampled_them(repo
 
 
 @needs_vllm
+def test_a_reloaded_adapter_is_not_served_the_old_adapters_cached_blocks(report):
+    """After an in-place adapter reload the same episodes' prompts are in the prefix cache
+    under the same adapter name; the engine must compute them again with the new weights."""
+    assert report["reloaded_tokens"] > 50
+    assert report["reloaded_max_gap"] < LOGPROB_TOLERANCE
+
+
+@needs_vllm
 def test_later_turns_reuse_the_prefix_cache(report):
     (first_prompt, _), *later = report["cache_per_call"]
     assert later, "only one turn was played"
@@ -86,4 +94,6 @@ def test_pbt_train_runs_an_environment_manifest_with_the_vllm_engine(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     steps = [r for r in rows if "reward/turns" in r]
     assert len(steps) == 2 and all(1 <= r["reward/turns"] <= 4 for r in steps)
+    corrected = [r for r in steps if "logprob_gap" in r]  # steps that had signal
+    assert corrected and all(r["logprob_gap"] < LOGPROB_TOLERANCE for r in corrected)
     assert (tmp_path / "out" / "checkpoint" / "attributes.pt").exists()
