@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any
 
-from pbt.config.agilerl.multiturn import MULTITURN_KEYS, SOURCES, translate_multiturn
+from pbt.config.agilerl.multiturn import (
+    MULTITURN_KEYS,
+    SOURCES,
+    translate_dataset_keys,
+    translate_multiturn,
+)
 from pbt.config.agilerl.rules import INIT_HP_RULES, Translation
 from pbt.config.task import HUB_PREFIX
 
@@ -20,7 +25,9 @@ def translate_environment(out: Translation, block: dict[str, Any]) -> None:
     or a multi-turn environment (:mod:`pbt.config.agilerl.multiturn`)."""
     if any(key in block for key in SOURCES) or block.get("env_type") == "multiturn":
         translate_multiturn(out, block)
-        block = {k: v for k, v in block.items() if k not in MULTITURN_KEYS}
+    else:
+        translate_dataset_keys(out, block)
+    block = {k: v for k, v in block.items() if k not in MULTITURN_KEYS}
     columns = block.get("columns") or {}
     if not isinstance(columns, dict):
         out.problems.append(f"environment.columns ({columns!r}) must map a column to its role")

@@ -67,12 +67,27 @@ def translate_multiturn(out: Translation, block: dict[str, Any]) -> None:
             f"environment.env_type ({block.get('env_type')!r}) names no environment; give "
             "environment.entrypoint: file.py:Class (or env_name: a GEM guessing game)"
         )
-    elif ("max_turns" in block or "env_config" in block) and "env_url" not in block:
-        given = "env_config" if "env_config" in block else "max_turns"
+    _other_keys(out, block)
+
+
+def translate_dataset_keys(out: Translation, block: dict[str, Any]) -> None:
+    """The same keys beside rows (a single-turn ``environment:``): ``max_turns`` 1 is what
+    rows are; ``env_config`` without an entrypoint is refused, as AgileRL refuses it."""
+    if block.get("max_turns", 1) != 1:
         out.problems.append(
-            f"environment.{given} belongs to an environment, but none is named; give "
+            f"environment.max_turns ({block['max_turns']!r}) is refused: rows are single-turn "
+            "(AgileRL: max_turns is 1 with a dataset); remove it, or name an environment with "
             "environment.entrypoint: file.py:Class"
         )
+    if "env_config" in block:
+        out.problems.append(
+            "environment.env_config is refused: it is the keyword arguments of an "
+            "environment.entrypoint, and none is named"
+        )
+    _other_keys(out, block)
+
+
+def _other_keys(out: Translation, block: dict[str, Any]) -> None:
     for key, why in _REFUSED.items():
         if key in block:
             out.problems.append(f"environment.{key} ({block[key]!r}) is refused: {why}")

@@ -95,14 +95,38 @@ def test_gem_arguments_are_renamed_and_max_turns_kept() -> None:
         ({"factory": "other:make", "entrypoint": "x"}, "environment.factory ('other:make') is"),
         ({"env_name": "game:GuessTheNumber-v0-easy", "env_config": {"secret": 3}},
          "environment.env_config.secret is not an argument of GEM's guess-the-number game"),
+        ({"dataset": "rows.jsonl", "max_turns": 3},
+         "environment.max_turns (3) is refused: rows are single-turn"),
+        ({"dataset": "rows.jsonl", "env_config": {"span": 3}},
+         "environment.env_config is refused: it is the keyword arguments of an"),
+        ({"dataset": "rows.jsonl", "chat_template_kwargs": {"enable_thinking": False}},
+         "environment.chat_template_kwargs ({'enable_thinking': False}) is refused"),
+        ({"entrypoint": "mypkg:make", "max_turns": 3}, "environment.entrypoint ('mypkg:make') is"),
     ],
 )  # fmt: skip
 def test_keys_without_a_meaning_here_are_refused_in_one_line(
     environment: dict, start: str, tmp_path: Path
 ) -> None:
     (tmp_path / "game.py").write_text(GAME)
+    (tmp_path / "rows.jsonl").write_text('{"question": "1 + 1", "answer": "2"}\n')
+    if "dataset" in environment:
+        environment |= _rows(tmp_path)
     problems = _problems(environment, tmp_path)
     assert len(problems) == 1 and problems[0].startswith(start), problems
+
+
+def _rows(tmp_path: Path) -> dict:
+    """A reward file for rows, and the keys that name it."""
+    (tmp_path / "reward.py").write_text(
+        "def reward_fn(completion, answer, question):\n    return 0.0\n"
+    )
+    return {"reward_file_path": "reward.py", "reward_fn_name": "reward_fn"}
+
+
+def test_rows_take_agilerls_max_turns_of_one(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"question": "1 + 1", "answer": "2"}\n')
+    m = _manifest({"dataset": "rows.jsonl", "max_turns": 1, **_rows(tmp_path)}, tmp_path)
+    assert m.task.env is None and m.task.train == "rows.jsonl"
 
 
 def test_env_packages_is_a_note(tmp_path: Path) -> None:
