@@ -7,7 +7,10 @@ rank's own, so the test sees which episodes each rank played. Each rank trains t
 OUT/ckpt (a collective; rank 0 writes) and writes what it saw to OUT/rank<k>.json: its adapter's
 digest before and after, its training and held-out seeds, and the fitness.
 
-    multiturn_ranks_driver.py OUT
+With ``vllm-tp2`` the episodes sample through one vLLM engine spanning both ranks
+(``tensor_parallel_size: 2``): every turn, each rank submits the whole group's token prompts.
+
+    multiturn_ranks_driver.py OUT [hf|vllm-tp2]
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ def adapter_digest(member: Member) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    out, mode = Path(sys.argv[1]), (sys.argv[2:] or ["hf"])[0]
+    rollout = {"max_output_tokens": 6}
+    if mode == "vllm-tp2":
+        rollout |= {"engine": "vllm", "vllm": {"tensor_parallel_size": 2}}
     rank = world_info().rank
     mine = out / f"echo_env.py.{rank}"  # each rank writes the same file, renamed into place
     mine.write_text(ENV)
@@ -69,7 +75,7 @@ def main() -> None:
         task={"env": {"file": "echo_env.py", "class": "Echo", "kwargs": {"log": str(out)}},
               "name": None, "eval_size": 4, "train_size": 32},
         algorithm={"group_size": 4, "prompts_per_step": 4},
-        rollout={"max_output_tokens": 6},
+        rollout=rollout,
         launch={"nproc_per_member": 2},
         optim={"lr": 5e-2},
     )  # fmt: skip

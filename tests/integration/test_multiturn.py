@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import DRIVERS, REPO, run_torchrun, small_sections
+from support import DRIVERS, REPO, needs_vllm, run_torchrun, small_sections, vllm_env
 
 from pbt.config.errors import ConfigError
 from pbt.controller.campaign import Campaign
@@ -116,7 +116,21 @@ def test_two_ranks_play_their_own_episodes_and_keep_one_adapter(tmp_path):
     each of its own training seeds (the environment logs every reset by rank), the gradients
     are averaged (both ranks end with the same, changed adapter), and the checkpoint is
     written once."""
-    run_torchrun(str(DRIVERS / "multiturn_ranks_driver.py"), str(tmp_path), timeout=300)
+    run_torchrun(str(DRIVERS / "multiturn_ranks_driver.py"), str(tmp_path), "hf", timeout=300)
+    _two_ranks_played_and_agree(tmp_path)
+
+
+@needs_vllm
+def test_two_ranks_play_their_episodes_through_one_spanning_vllm_engine(tmp_path, monkeypatch):
+    """The same with one vLLM engine over both ranks (``tensor_parallel_size: 2``): each rank
+    submits both ranks' token prompts every turn and keeps its own replies."""
+    for key, value in vllm_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    run_torchrun(str(DRIVERS / "multiturn_ranks_driver.py"), str(tmp_path), "vllm-tp2")
+    _two_ranks_played_and_agree(tmp_path)
+
+
+def _two_ranks_played_and_agree(tmp_path: Path) -> None:
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     train, held_out = set(ranks[0]["train_seeds"]), set(ranks[0]["eval_seeds"])
     played = []
