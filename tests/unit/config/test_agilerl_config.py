@@ -450,8 +450,8 @@ FAST = {"launch": {"slots": 1, "persistent_workers": True}, "tracking": {"enable
 def _small_campaign(path: Path, folder: Path) -> Path:
     """The fixture in its own layout (its own keys, in its own spelling), shrunk to 2 members
     x 2 generations of one step on the tiny model: population, batch, group and completion
-    length set smaller, the model and any hub rows pointed at local ones, vLLM off; plus our
-    ``launch`` and ``tracking`` sections, which AgileRL's format lacks, for speed."""
+    length set smaller, the model and any hub rows pointed at local ones, vLLM off, an
+    environment's held-out seeds fewer; plus our ``launch`` and ``tracking`` sections, which AgileRL's format lacks, for speed."""
     data = _loadable(path)
     if "INIT_HP" in data:
         data["INIT_HP"] |= SMALL_INIT_HP | (
@@ -463,7 +463,10 @@ def _small_campaign(path: Path, folder: Path) -> Path:
         data["algorithm"] |= SMALL_ALGORITHM
         data["training"] |= SMALL_TRAINING
         data["network"]["pretrained_model_name_or_path"] = "builtin:tiny"
-        data["environment"]["dataset"] = LOCAL_ROWS[data["algorithm"]["name"]]
+        if "dataset" in data["environment"]:
+            data["environment"]["dataset"] = LOCAL_ROWS[data["algorithm"]["name"]]
+        else:  # a multi-turn environment: fewer held-out seeds
+            data["task"] = {"eval_size": 2}
     for name in ("reward.py", *set(LOCAL_ROWS.values())):
         shutil.copy(FIXTURES / name, folder / name)
     out = folder / path.name
