@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support import small_sections
 
 from pbt.algorithms.runtime.member import Member
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 from pbt.distributed import shutdown, world_info
 
 ENV = '''

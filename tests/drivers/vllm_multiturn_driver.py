@@ -29,7 +29,7 @@ from support import small_sections
 from pbt.algorithms.envs.episodes import play, sampler_for, to_batch
 from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.algorithms.runtime.member import Member
-from pbt.config.loader import manifest_from_dict
+from pbt.config.read.loader import manifest_from_dict
 
 CPU = torch.device("cpu")
 TEMPERATURE = 1.0
