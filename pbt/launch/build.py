@@ -41,6 +41,8 @@ def build_launcher(
     kind, extra = LocalLauncher, {}
     if launch.persistent_workers:
         kind, extra = PersistentLauncher, {"workers_dir": directory / "workers"}
+        if launch.backend != "slurm":
+            extra["members_per_batch"] = launch.members_per_batch
     if launch.backend == "slurm":
         command = command or slurm.slurm_member_command()
         kind = slurm.SlurmPersistentLauncher if launch.persistent_workers else slurm.SlurmLauncher
