@@ -39,6 +39,7 @@ ALGORITHM = {  # two mini-batches of 8 rows an epoch, two epochs, a KL term
     "mini_batch_size": 8,
     "update_epochs": 2,
     "beta": 0.05,
+    "collapse_patience": 1,  # a member whose step has no signal stops (none does, but below)
 }
 
 
@@ -88,6 +89,20 @@ def test_members_in_lock_step_train_as_alone_bit_for_bit(tmp_path, alone):
     assert shared.row_adapters is not None  # the rollouts went through one batch
     for member_id, (history, state) in alone.items():
         assert trained[member_id].error is None
+        assert _without_timings(trained[member_id].history) == _without_timings(history)
+        together = _state(shared, member_id)
+        assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
+
+
+def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alone):
+    shared = _shared(tmp_path, 3, False)
+    # near-greedy: every completion of a group the same, so no reward spread and no signal
+    shared.member("m1").learner.apply_hyperparameters({"temperature": 1e-4})
+    trained = train_together(shared, list(shared.members), 2)
+    collapsed = shared.member("m1")
+    assert collapsed.stopped and len(trained["m1"].history) == 1 and trained["m1"].error is None
+    for member_id in ("m0", "m2"):
+        history, state = alone[member_id]
         assert _without_timings(trained[member_id].history) == _without_timings(history)
         together = _state(shared, member_id)
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
