@@ -35,9 +35,11 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
     ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
     ``result.json``, from a background thread while the next task trains; the task heartbeats
-    until its result is written. At most one write is in flight. When the next task is already
-    handed over, the write starts once that task has loaded its member: the write's first
-    steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
+    until its result is written. With ``launch.members_per_batch`` > 1 the tasks handed
+    together run as one population batch (:mod:`pbt.worker.batch`), each released and written
+    as above. At most one task's (or one batch's) writes are in flight. When the next task is
+    already handed over, the write starts once that task has loaded its member: the write's
+    first steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
     member, which nothing overlaps. Ends on a ``stop`` file, when the folder is gone, or after
     ``idle_timeout_s`` without a task, in each case after the write in flight. A task that
     fails ends the worker (exit 2), since its ranks may be out of step; so does a failed write
