@@ -44,7 +44,12 @@ from pbt.algorithms.rollout.hf import (
 from pbt.algorithms.runtime.lora_batch import RowAdapters, Segment, lora_layers, segments_of
 from pbt.algorithms.runtime.member import Member, StepCallback
 from pbt.algorithms.runtime.models import mixed_precision
-from pbt.algorithms.runtime.population_batch import SharedMembers, complete_together, row_adapters
+from pbt.algorithms.runtime.population_batch import (
+    SharedMembers,
+    batchable,
+    complete_together,
+    row_adapters,
+)
 
 
 @dataclass
@@ -90,7 +95,8 @@ def train_together(
     """
     out = {member_id: Trained() for member_id in ids}
     members = {member_id: shared.member(member_id) for member_id in ids}
-    if not all(m.learner.plain_step(m.task.reward) for m in members.values()):
+    plain = all(m.learner.plain_step(m.task.reward) for m in members.values())
+    if not (plain and batchable(shared)):
         for member_id, member in members.items():  # each in turn: its step is its own
             _alone(shared, member_id, member, steps, on_step, say, out[member_id])
         return out
@@ -119,13 +125,16 @@ def _one_step(shared, live, members, on_step, say, out) -> list[str]:
         examples[member_id] = learner.sample_prompts(members[member_id].task.train)
     questions = {m: [ex.chat for ex in examples[m]] for m in live}
     batches = complete_together(shared, questions, training=True)
-    scored = {}
+    scored, learned = {}, {}
     for member_id in live:
         member = shared.activate(member_id)
-        scored[member_id] = member.learner.scored(
-            examples[member_id], batches[member_id], member.task.reward
-        )
-    learned = _learn(shared, {m: (b, r) for m, (b, r, _) in scored.items()})
+        try:  # a reward function that fails fails its member's task only
+            scored[member_id] = member.learner.scored(
+                examples[member_id], batches[member_id], member.task.reward
+            )
+        except Exception as err:
+            learned[member_id] = err
+    learned |= _learn(shared, {m: (b, r) for m, (b, r, _) in scored.items()})
     still = []
     for member_id in live:
         member, trained = shared.activate(member_id), out[member_id]
@@ -143,6 +152,8 @@ def _one_step(shared, live, members, on_step, say, out) -> list[str]:
 
 def _learn(shared, scored: dict[str, tuple[Any, Tensor]]) -> dict[str, Any]:
     """Each member's update from its scored batch: together, or in turn."""
+    if not scored:
+        return {}
     if learns_together(shared):
         steps = {m: shared.member(m).learner.learn_steps(b, r) for m, (b, r) in scored.items()}
         return learn_together(shared, steps)

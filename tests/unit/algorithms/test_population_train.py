@@ -94,6 +94,20 @@ def test_members_in_lock_step_train_as_alone_bit_for_bit(tmp_path, alone):
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
+def test_a_batched_train_step_learns_each_member_as_alone(tmp_path, alone):
+    """``launch.batched_train`` in the training loop: the first step's rollouts are each
+    member's own (the same adapters), its update equal within rounding."""
+    shared = _shared(tmp_path, 3, True)
+    trained = train_together(shared, list(shared.members), 1)
+    for member_id, (history, _) in alone.items():
+        assert trained[member_id].error is None
+        got, want = trained[member_id].history[0], history[0]
+        assert got["reward_mean"] == want["reward_mean"]  # the same tokens
+        assert got["optimizer_steps"] == want["optimizer_steps"] == 4
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
 def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alone):
     shared = _shared(tmp_path, 3, False)
     # near-greedy: every completion of a group the same, so no reward spread and no signal
