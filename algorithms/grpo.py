@@ -34,8 +34,9 @@ from pbt.algorithms.envs.episodes import Episodes, evaluate_episodes, play_batch
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.objectives import get_objective
 from pbt.algorithms.objectives.dapo import overlong_penalty
+from pbt.algorithms.passes import Backward, LogProbs, OptimizerStep, Steps, run_alone
 from pbt.algorithms.rollout.dedicated import DedicatedRollouts, behaviour_weights
-from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate, sequence_logprobs
+from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 
@@ -147,9 +148,9 @@ class GRPO(Learner):
         episodes instead, their returns as rewards (:mod:`pbt.algorithms.envs`)."""
         if isinstance(reward, Episodes):
             return play_batch(self, examples, reward)
-        return self._scored(examples, self.complete([ex.chat for ex in examples]), reward)
+        return self.scored(examples, self.complete([ex.chat for ex in examples]), reward)
 
-    def _scored(
+    def scored(
         self, examples: list[Example], batch: RolloutBatch, reward: Reward
     ) -> tuple[RolloutBatch, Tensor, Tensor]:
         """``batch`` with its total rewards (overlong penalty included) and raw terms."""
@@ -169,19 +170,45 @@ class GRPO(Learner):
         start = time.perf_counter()
         if self.rollouts is not None:  # a dedicated engine sampled it
             examples, batch, extra = self.rollouts.take(train)
-            batch, rewards, terms = self._scored(examples, batch, reward)
+            batch, rewards, terms = self.scored(examples, batch, reward)
         elif self.algorithm.dynamic_sampling:
             batch, rewards, terms, extra = self._dynamic_rollout(train, reward)
         else:
             batch, rewards, terms = self._rollout(self.sample_prompts(train), reward)
             extra = {}
-        metrics = self.learn(batch, rewards) | extra | term_means(reward.names, terms)
+        metrics = self.learn(batch, rewards) | extra
+        return self.step_metrics(metrics, reward, terms, batch, start)
+
+    def step_metrics(
+        self,
+        learned: dict[str, float],
+        reward: Reward,
+        terms: Tensor,
+        batch: RolloutBatch,
+        start: float,
+    ) -> dict[str, float]:
+        """A training step's metrics: what :meth:`learn` returned, each reward term's mean,
+        the throughput since ``start`` (``time.perf_counter()``) and the memory peak."""
+        metrics = learned | term_means(reward.names, terms)
         if self.rollouts is not None:
             self.rollouts.push(int(metrics.get("optimizer_steps", 0)))
         elapsed = time.perf_counter() - start
         metrics["tokens_per_s"] = float(batch.completion_mask.sum()) / max(elapsed, 1e-9)
         metrics["step_time_s"] = elapsed
         return metrics | self.memory_metrics()
+
+    def plain_step(self, reward: Reward) -> bool:
+        """Whether a training step here is: sample prompts (:meth:`sample_prompts`), complete
+        them in this process, score (:meth:`scored`), learn (:meth:`learn_steps`): the step a
+        population batch runs for several members together. Not with a dedicated or vLLM
+        engine, dynamic sampling, a multi-turn task, or an algorithm with its own update."""
+        return (
+            self.rollouts is None
+            and self.engine is None
+            and not self.algorithm.dynamic_sampling
+            and not isinstance(reward, Episodes)
+            and type(self).learn is GRPO.learn
+        )
 
     def _dynamic_rollout(
         self, train: list[Example], reward: Reward
@@ -224,6 +251,11 @@ class GRPO(Learner):
         left, nothing is updated and ``metrics["skipped"]`` is 1. Every rank makes the same
         number of forward passes and optimizer steps, whatever it dropped.
         """
+        return run_alone(self, self.learn_steps(batch, rewards))
+
+    def learn_steps(self, batch: RolloutBatch, rewards: Tensor) -> Steps[dict[str, float]]:
+        """:meth:`learn` as the passes it asks for (:mod:`pbt.algorithms.passes`): alone, the
+        learner answers them itself; in a population batch, with other members' together."""
         algo = self.algorithm
         advantages, has_signal = self.objective.advantages(
             rewards, algo.group_size, algo.advantage_eps
@@ -271,18 +303,20 @@ class GRPO(Learner):
         device = batch.completion_ids.device
         signal = batch.select(rows.to(device))
         signal.completion_mask = signal.completion_mask * weight[rows].to(device).unsqueeze(1)
-        update = self._update(signal, advantages[rows].to(device))
+        update = yield from self._update(signal, advantages[rows].to(device))
         self._advance_schedule()
         return {**metrics, **update, "skipped": 0.0}
 
-    def _update(self, batch: RolloutBatch, advantages: Tensor) -> dict[str, float]:
+    def _update(self, batch: RolloutBatch, advantages: Tensor) -> Steps[dict[str, float]]:
         algo = self.algorithm
         world = self.world_size
         self.model.train()
-        ref_logp = self._reference_logprobs(batch) if algo.beta > 0 else None
+        ref_logp = None
+        if algo.beta > 0:
+            ref_logp = yield from self._logprob_steps(batch, reference=True)
         mini = (algo.mini_batch_size or algo.batch_completions) // world
         single_pass = algo.update_epochs == 1 and mini >= algo.batch_completions // world
-        old_logp = None if single_pass else self._logprobs_no_grad(batch)
+        old_logp = None if single_pass else (yield from self._logprob_steps(batch))
         totals = {
             "loss": 0.0,
             "kl": 0.0,
@@ -300,7 +334,9 @@ class GRPO(Learner):
             order = order[order < len(batch)].to(batch.completion_ids.device)
             for start in range(0, longest, mini):
                 rows = order[start : start + mini] if start < len(order) else order[:0]
-                self._mini_batch_step(batch, advantages, rows, mini, old_logp, ref_logp, totals)
+                yield from self._mini_batch_step(
+                    batch, advantages, rows, mini, old_logp, ref_logp, totals
+                )
         reduced = all_reduce([totals["kl"], totals["clipped"], totals["tokens"]])
         tokens = max(reduced[2], 1.0)
         return {
@@ -356,7 +392,9 @@ class GRPO(Learner):
             "logprob_gap": gap / tokens,
         }
 
-    def _mini_batch_step(self, batch, advantages, rows, mini, old_logp, ref_logp, totals) -> None:
+    def _mini_batch_step(
+        self, batch, advantages, rows, mini, old_logp, ref_logp, totals
+    ) -> Steps[None]:
         """One optimizer step over ``rows`` (possibly fewer than ``mini``, even none, on this
         rank); a step skipped as non-finite is counted, and its statistics left out."""
         algo = self.algorithm
@@ -375,7 +413,7 @@ class GRPO(Learner):
             idx = idx if live else torch.zeros(1, dtype=torch.long, device=rows.device)
             part = batch.select(idx)
             m = part.completion_mask * (1.0 if live else 0.0)
-            logp = sequence_logprobs(self.model, part, self.rollout_cfg.temperature)
+            logp = yield LogProbs(part, self.rollout_cfg.temperature, grad=True)
             old = logp.detach() if old_logp is None else old_logp[idx]
             kl = None if ref_logp is None else losses.kl_k3(logp, ref_logp[idx], m)
             adv = advantages[idx]
@@ -391,11 +429,11 @@ class GRPO(Learner):
                 step["kl"] += float((kl.detach() * m).sum())
             # gradients are averaged across ranks: scale by the world size to get their sum
             loss = losses.aggregate(per_token, m, mode, denominator) * self.world_size
-            loss.backward()
+            yield Backward(loss)
             loss_sum += float(loss.detach()) / self.world_size
             step["clipped"] += float((clipped.float() * m).sum())
             step["tokens"] += float(m.sum())
-        norm = self._optimizer_step(loss_sum)  # every rank skips, or none does
+        norm = yield OptimizerStep(loss_sum)  # every rank skips, or none does
         if norm is None:
             totals["nonfinite_steps"] += 1.0
             return
@@ -405,22 +443,26 @@ class GRPO(Learner):
         totals["loss"] += all_reduce([loss_sum])[0]
         totals["updates"] += 1
 
-    @torch.no_grad()
     def _logprobs_no_grad(self, batch: RolloutBatch) -> Tensor:
+        return run_alone(self, self._logprob_steps(batch))
+
+    def _logprob_steps(self, batch: RolloutBatch, reference: bool = False) -> Steps[Tensor]:
+        """Log-probs ``[N, C]`` of the batch's completions without gradients, a micro-batch a
+        pass; through the reference policy (the adapter disabled) when ``reference``."""
         micro = self.algorithm.micro_batch_size or len(batch)
         longest = int(all_reduce([len(batch)], "max")[0])
         parts = []
+        temperature = self.rollout_cfg.temperature
         for start in range(0, longest, micro):
             # ranks with fewer rows still run the forward pass: sharded layers gather together
             rows = slice(start, start + micro) if start < len(batch) else slice(0, 1)
-            logp = sequence_logprobs(self.model, batch.select(rows), self.rollout_cfg.temperature)
+            logp = yield LogProbs(batch.select(rows), temperature, grad=False, reference=reference)
             if start < len(batch):
                 parts.append(logp)
         return torch.cat(parts)
 
     def _reference_logprobs(self, batch: RolloutBatch) -> Tensor:
-        with self.model.disable_adapter():
-            return self._logprobs_no_grad(batch)
+        return run_alone(self, self._logprob_steps(batch, reference=True))
 
     # -- evaluation ------------------------------------------------------------------------
 

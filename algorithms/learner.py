@@ -379,6 +379,11 @@ class Learner:
     def evaluate(self, examples: list, reward=None, temperature: float = 0.0) -> float:
         raise NotImplementedError
 
+    def plain_step(self, reward=None) -> bool:
+        """Whether a population batch may run this learner's training step together with
+        other members' (:mod:`pbt.algorithms.runtime.population_train`); see GRPO's."""
+        return False
+
     def describe(self, metrics: dict[str, float]) -> str:
         """A short progress line for one step's metrics."""
         return f"loss {metrics.get('loss', float('nan')):+.4f}"

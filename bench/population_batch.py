@@ -19,8 +19,10 @@ autocast over a bf16 base as a member runs by default; every row runs to ``--tok
 
 ``--train`` adds a train step's forward and backward (the completion log-probs of
 ``--completion`` tokens a row, the lean log-prob path): the members in turn in the adapter
-slot, against all rows in one pass with per-row adapters; its rows' ratios are to the train
-step one at a time.
+slot, against all rows in one pass with per-row adapters, as ``launch.batched_train`` runs it
+(:func:`~pbt.algorithms.runtime.population_train.logprobs_together`: one forward, each
+member's log-probs at its own temperature, one backward of their sum); its rows' ratios are to
+the train step one at a time.
 
 Then the tolerance check: each member's rows' first-token logits in the batch (segmented)
 against its solo forward: the largest absolute difference over the logits' scale, and the
@@ -189,8 +191,10 @@ def _train_modes(model, adapters, slot, weights, ids, mask, segments, args) -> d
     rows only)."""
     import torch
 
+    from pbt.algorithms.passes import LogProbs
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
     from pbt.algorithms.runtime.models import set_mixed_precision
+    from pbt.algorithms.runtime.population_train import logprobs_together
 
     cuda = ids.device.type == "cuda"
     set_mixed_precision(model, True)
@@ -209,11 +213,19 @@ def _train_modes(model, adapters, slot, weights, ids, mask, segments, args) -> d
                 for p, w in zip(slot, weights[m], strict=True):
                     p.copy_(w)
             rows = batch.select(slice(s.start, s.stop))
-            sequence_logprobs(model, rows, 1.0).sum().backward()
+            sequence_logprobs(model, rows, 1.0 + 0.1 * m).sum().backward()
+
+    # what launch.batched_train runs: each member's rows a log-prob request at its own
+    # temperature, all answered by one forward, their losses' sum by one backward
+    asks = {
+        m: LogProbs(batch.select(slice(s.start, s.stop)), 1.0 + 0.1 * m, grad=True)
+        for m, s in enumerate(segments)
+    }
+    slots = {m: s.slot for m, s in enumerate(segments)}
 
     def one_pass():
-        with adapters.rows(segments, "segmented"):
-            sequence_logprobs(model, batch, 1.0).sum().backward()
+        logp = logprobs_together(model, adapters, slots, asks)
+        torch.stack([v.sum() for v in logp.values()]).sum().backward()
 
     out = {}
     tokens = rows * args.completion

@@ -233,8 +233,8 @@ def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
     about :data:`LOGIT_CHUNK_BYTES` of float32 logits is computed, reduced to the target's
     log-prob and freed, and recomputed in the backward pass. Otherwise the full logits.
     """
-    trimmed, right = _trim_padding(batch)
-    head = _plain_output_layer(model)
+    trimmed, right = trim_padding(batch)
+    head = plain_output_layer(model)
     with mixed_precision(model):
         if head is None:
             logp = _full_logits_logprobs(model, trimmed, temperature)
@@ -243,7 +243,9 @@ def sequence_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
     return torch.nn.functional.pad(logp, (0, right)) if right else logp
 
 
-def _inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+def model_inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """``(input ids, attention mask, position ids)``, each ``[N, P + C]``, of prompts and
+    completions: positions count real tokens only, so left padding moves no row's positions."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention()], dim=1)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
@@ -251,7 +253,7 @@ def _inputs(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _full_logits_logprobs(model, batch: RolloutBatch, temperature: float) -> Tensor:
-    input_ids, attention, positions = _inputs(batch)
+    input_ids, attention, positions = model_inputs(batch)
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
     prompt_len = batch.prompt_ids.shape[1]
     # logits at position t predict token t + 1: the completion is predicted from prompt_len - 1 on.
@@ -271,7 +273,7 @@ def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperatur
     """The output layer's forward swapped, for one call, for the chunked log-prob reduction:
     its result leaves the root module as ``logits`` (``[N, C]``), so under FSDP2 the layer's
     weight is gathered around it in the forward and again before the backward reaches it."""
-    input_ids, attention, positions = _inputs(batch)
+    input_ids, attention, positions = model_inputs(batch)
     targets = batch.completion_ids
     length = targets.shape[1]
 
@@ -398,7 +400,7 @@ def _fused_softmax_parts():
     return torch.compile(_softmax_parts, dynamic=True)
 
 
-def _plain_output_layer(model) -> torch.nn.Linear | None:
+def plain_output_layer(model) -> torch.nn.Linear | None:
     """The output layer when the lean path computes exactly what the model would: a plain
     ``nn.Linear`` (not adapted) whose logits the model returns unchanged."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -415,7 +417,7 @@ def _plain_output_layer(model) -> torch.nn.Linear | None:
     return head
 
 
-def _trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+def trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
     """The batch without prompt columns that are padding in every row (on the left) and
     completion columns that are masked in every row (on the right), and how many of those."""
     prompt_used = batch.prompt_mask.any(dim=0)

@@ -116,6 +116,18 @@ class RowAdapters:
                 self.a[i][slot].copy_(named[f"{name}.lora_A.default.weight"])
                 self.b[i][slot].copy_(named[f"{name}.lora_B.default.weight"])
 
+    def named_grads(self, slot: int) -> dict[str, Tensor]:
+        """``slot``'s gradients by the model's parameter names (``...lora_A.default.weight``):
+        views of the stacked gradients (zeros where a layer has none yet)."""
+        out = {}
+        for i, (name, _) in enumerate(self.layers):
+            for key, stacked in (("A", self.a[i]), ("B", self.b[i])):
+                grad = stacked.grad
+                out[f"{name}.lora_{key}.default.weight"] = (
+                    grad[slot] if grad is not None else stacked.new_zeros(stacked.shape[1:])
+                )
+        return out
+
     def _mask(self, segments: tuple[Segment, ...], rows: int, like: Tensor) -> Tensor:
         """``[rows, slots * r]``: 1 on each row's own slot's ``r`` columns (the stacked kernel)."""
         key = (segments, like.dtype, like.device)

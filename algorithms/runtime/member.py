@@ -244,22 +244,35 @@ class Member:
     def _train(
         self, steps: int, on_step: StepCallback | None, say: Callable[[str], None] | None
     ) -> list[dict[str, float]]:
-        history = []
+        history: list[dict[str, float]] = []
         for _ in range(steps):
-            metrics = self.train_step()
-            step = self.learner.step
-            if say is not None and is_zero_signal(metrics) and not self.diagnosed:
-                self.diagnosed = True
-                say(f"step {step}: {diagnosis(metrics)}")
-            if on_step is not None:
-                on_step(step, metrics)
-            history.append({"step": step, **metrics})
-            if self.collapsed:
-                self.stopped = True
-                if say is not None:
-                    say(f"step {step}: collapsed: {self.collapse_detail()}")
+            if self.record_step(self.train_step(), history, on_step, say):
                 break
         return history
+
+    def record_step(
+        self,
+        metrics: dict[str, float],
+        history: list[dict[str, float]],
+        on_step: StepCallback | None,
+        say: Callable[[str], None] | None,
+    ) -> bool:
+        """Account for a training step that gave ``metrics`` (:meth:`train`'s explanations and
+        callback; the metrics appended to ``history``); whether the member stops there,
+        collapsed."""
+        step = self.learner.step
+        if say is not None and is_zero_signal(metrics) and not self.diagnosed:
+            self.diagnosed = True
+            say(f"step {step}: {diagnosis(metrics)}")
+        if on_step is not None:
+            on_step(step, metrics)
+        history.append({"step": step, **metrics})
+        if not self.collapsed:
+            return False
+        self.stopped = True
+        if say is not None:
+            say(f"step {step}: collapsed: {self.collapse_detail()}")
+        return True
 
     def attributes(self) -> dict[str, Any]:
         """Everything the member is, as plain data for ``attributes.pt``: every tensor a fresh

@@ -74,7 +74,7 @@ def _one_batch(
     shared: SharedMembers, ids: Sequence[str], questions: dict[str, list[Chat]], training: bool
 ) -> list[RolloutBatch]:
     host = shared.host
-    adapters = _adapters(shared, len(ids))
+    adapters = row_adapters(shared, len(ids))
     names = [name for name, _ in host.named_trainable]
     asks = []
     for slot, member_id in enumerate(ids):
@@ -102,7 +102,8 @@ def _one_batch(
     return batches
 
 
-def _adapters(shared: SharedMembers, slots: int) -> RowAdapters:
+def row_adapters(shared: SharedMembers, slots: int) -> RowAdapters:
+    """``shared``'s stacked adapters, made (or remade larger) to hold ``slots`` members."""
     if shared.row_adapters is None or shared.row_adapters.slots < slots:
         per_batch = shared.manifest.launch.members_per_batch
         shared.row_adapters = RowAdapters(shared.host.model, max(slots, per_batch))

@@ -54,10 +54,12 @@ class SharedBase:
     Args:
         manifest: the population's configuration (model, LoRA, sharding, task, defaults).
         device: where the model lives.
+        host: the model to share, already loaded for ``manifest`` (a long-lived worker's);
+            built here when omitted.
     """
 
-    def __init__(self, manifest: Manifest, device: torch.device) -> None:
-        self.host = Host(manifest, device)
+    def __init__(self, manifest: Manifest, device: torch.device, host: Host | None = None) -> None:
+        self.host = host or Host(manifest, device)
         self.manifest = manifest
         self.params = self.host.trainable
         # every member starts from the adapter as initialised (B = 0: the base's outputs)

@@ -104,11 +104,17 @@ class Manifest:
                 "activations already are in host memory; it applies to members on a GPU "
                 "(launch.gpus_per_member > 0, or training.device: cuda for pbt train)"
             )
-        if self.launch.members_per_batch > 1:
+        launch = self.launch
+        if launch.members_per_batch > 1 and not launch.persistent_workers:
             notes.append(
-                f"launch.members_per_batch ({self.launch.members_per_batch}) batches the rollouts "
-                "of a library-mode population; a campaign's workers still train one member at a "
-                "time (docs/rollouts.md)"
+                f"launch.members_per_batch ({launch.members_per_batch}) batches a campaign's "
+                "members on long-lived workers only; with launch.persistent_workers: false each "
+                "member task runs alone (docs/rollouts.md)"
+            )
+        if launch.batched_train and launch.members_per_batch == 1:
+            notes.append(
+                "launch.batched_train (true) trains the members of a batch together; with "
+                "launch.members_per_batch 1 there is no batch: set members_per_batch > 1"
             )
         if not self.model.name.strip():
             return notes

@@ -47,6 +47,8 @@ def build_launcher(
     kind, extra = LocalLauncher, {}
     if launch.persistent_workers:
         kind, extra = PersistentLauncher, {"workers_dir": directory / "workers"}
+        if launch.backend != "slurm":
+            extra["members_per_batch"] = launch.members_per_batch
     gpus = launch.gpus_per_member
     if launch.backend == "slurm":
         command = command or slurm.slurm_member_command()

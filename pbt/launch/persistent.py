@@ -51,17 +51,26 @@ class PersistentLauncher(LocalLauncher):
         command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
         workers_dir: where the slot folders go (a campaign's ``workers/``).
         idle_timeout_s: passed to the workers.
+        members_per_batch: tasks a worker runs together (``launch.members_per_batch``): a slot
+            is handed that many and as many again behind them, so the next batch is in the
+            inbox when the worker takes it.
         **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.01 here, since a task's
             end is the next one's start on the same worker, and every check waited is idle.
     """
 
     def __init__(
-        self, command: list[str], workers_dir: Path, idle_timeout_s: float = 900.0, **kwargs
+        self,
+        command: list[str],
+        workers_dir: Path,
+        idle_timeout_s: float = 900.0,
+        members_per_batch: int = 1,
+        **kwargs,
     ) -> None:
         kwargs.setdefault("poll_s", 0.01)
         super().__init__(command, **kwargs)
         self.workers_dir = Path(workers_dir)
         self.idle_timeout_s = idle_timeout_s
+        self.ahead = 2 * members_per_batch - 1
         self._workers: dict[int, _Worker] = {}
         for slot in range(self.slots):  # groups a crashed controller left behind
             self._end_orphan_worker(self._folder(slot))

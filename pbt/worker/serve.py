@@ -11,6 +11,7 @@ is :mod:`pbt.worker.task`; the states this worker keeps for its members' childre
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -21,8 +22,8 @@ from typing import Any
 
 from pbt.protocol import faults
 from pbt.protocol.files import RELEASED, Heartbeat, read_json
-from pbt.protocol.messages import RESULT_FILE, ResultMessage
-from pbt.worker import cache
+from pbt.protocol.messages import RESULT_FILE, ResultMessage, TaskMessage
+from pbt.worker import batch, cache
 from pbt.worker.task import Served, failed, finish_task, read_task, start_task
 
 
@@ -33,9 +34,11 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     while it waits. Once a task's state is snapshotted to host memory, rank 0 marks the task
     ``released`` (the launcher may hand over the next one) and writes the checkpoint, then
     ``result.json``, from a background thread while the next task trains; the task heartbeats
-    until its result is written. At most one write is in flight. When the next task is already
-    handed over, the write starts once that task has loaded its member: the write's first
-    steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
+    until its result is written. With ``launch.members_per_batch`` > 1 the tasks handed
+    together run as one population batch (:mod:`pbt.worker.batch`), each released and written
+    as above. At most one task's (or one batch's) writes are in flight. When the next task is
+    already handed over, the write starts once that task has loaded its member: the write's
+    first steps (settling the copies, pickling) hold the interpreter, and would slow the switch of
     member, which nothing overlaps. Ends on a ``stop`` file, when the folder is gone, or after
     ``idle_timeout_s`` without a task, in each case after the write in flight. A task that
     fails ends the worker (exit 2), since its ranks may be out of step; so does a failed write
@@ -46,12 +49,14 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
     from pbt.distributed import shutdown
 
     rank = int(os.environ.get("RANK", 0))
-    host, taken, writing = None, 0, None
-    ahead = cache.ParentAhead(folder) if int(os.environ.get("WORLD_SIZE", 1)) == 1 else None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    host, taken, writing = None, 0, []
+    ahead = cache.ParentAhead(folder) if world_size == 1 else None
     try:
         while True:
-            if writing is not None and not (folder / "inbox" / f"{taken:06d}.json").exists():
-                writing.go()  # no task waits to load a member: nothing for the write to slow
+            if writing and not (folder / "inbox" / f"{taken:06d}.json").exists():
+                for writer in writing:  # no task waits to load a member: nothing to slow
+                    writer.go()
             entry = next_entry(folder, taken, idle_timeout_s, poll_s)
             if entry is None:
                 return 0
@@ -60,18 +65,29 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
             task = read_task(task_path)
             if task is None:
                 return 2
+            size = batch.batch_size(task, world_size)
+            if size > 1:
+                more = batch.gather(folder, taken, task, size)
+                taken += len(more)
+                code, host, writing = _serve_batch([entry, *more], host, writing, rank)
+                if ahead is not None:
+                    ahead.number = taken
+                if code:
+                    return code
+                continue
             if ahead is not None:
                 ahead.number = taken  # the entry after this one
             beat = Heartbeat(task_path.parent / "heartbeat") if rank == 0 else None
+            last = writing[-1] if writing else None
             with contextlib.ExitStack() as stack:
                 if beat is not None:
                     stack.enter_context(beat)
-                with _output_to(entry["log"], rank == 0):
+                with _output_to([entry["log"]], rank == 0):
                     try:
                         served = Served(
                             ahead,
-                            loaded=writing.go if writing is not None else None,
-                            writing=writing.write if writing is not None else None,
+                            loaded=functools.partial(_go_all, writing) if writing else None,
+                            writing=last.write if last is not None else None,
                         )
                         result, host, write = start_task(task, host, beat, served)
                     except BaseException as err:
@@ -79,16 +95,71 @@ def serve(folder: Path, idle_timeout_s: float = 900.0, poll_s: float = 0.005) ->
                             raise
                         return 2
                 if rank == 0:
-                    if writing is not None:
-                        writing.finish()
+                    _finish_all(writing)
                     # the write owns the heartbeat from here on, till the result is written
-                    writing = _Writer(
-                        task_path.parent, entry["log"], result, write, stack.pop_all()
-                    )
+                    writing = [
+                        _Writer(task_path.parent, entry["log"], result, write, stack.pop_all())
+                    ]
     finally:
-        if writing is not None:
-            writing.finish()
+        _finish_all(writing)
         shutdown()
+
+
+def _go_all(writing: list[_Writer]) -> None:
+    for writer in writing:
+        writer.go()
+
+
+def _finish_all(writing: list[_Writer]) -> None:
+    for writer in writing:
+        writer.finish()
+
+
+def _serve_batch(
+    entries: list[dict[str, Any]], host: Any, writing: list[_Writer], rank: int
+) -> tuple[int, Any, list[_Writer]]:
+    """Run the tasks of ``entries`` as one population batch (:mod:`pbt.worker.batch`): each
+    task heartbeats, logs and ends as alone. Returns the exit code to end the worker with (0:
+    go on; 2: a task failed, after the others' writes), the host and the writes started."""
+    dirs = [Path(e["task"]).parent for e in entries]
+    tasks = [TaskMessage.read(Path(e["task"])) for e in entries]
+    with contextlib.ExitStack() as stacks:
+        beats = [Heartbeat(d / "heartbeat") if rank == 0 else None for d in dirs]
+        held = []
+        for beat in beats:
+            stack = stacks.enter_context(contextlib.ExitStack())
+            if beat is not None:
+                stack.enter_context(beat)
+            held.append(stack)
+        with _output_to([e["log"] for e in entries], rank == 0):
+            try:
+                ran, host = batch.start_batch(
+                    tasks,
+                    host,
+                    beats,
+                    [w.write for w in writing],
+                    loaded=functools.partial(_go_all, writing),
+                )
+            except BaseException as err:
+                expected = [failed(d, err) for d in dirs]
+                if not all(expected):
+                    raise
+                return 2, host, writing
+        _finish_all(writing)
+        code, started = 0, []
+        for run, entry, directory, stack in zip(ran, entries, dirs, held, strict=True):
+            if run.error is not None:
+                with _output_to([entry["log"]], rank == 0):
+                    if not failed(directory, run.error):
+                        raise run.error
+                code = 2
+            elif rank == 0:
+                started.append(
+                    _Writer(directory, entry["log"], run.result, run.write, stack.pop_all())
+                )
+        if code:
+            _finish_all(started)
+        return code, host, started
 
 
 class _Writer(threading.Thread):
@@ -164,14 +235,31 @@ def next_entry(
 
 
 @contextlib.contextmanager
-def _output_to(log: str, enabled: bool) -> Iterator[None]:
-    """This rank's prints go to the task's log while the task runs."""
+def _output_to(logs: list[str], enabled: bool) -> Iterator[None]:
+    """This rank's prints go to the logs of the tasks it runs while they run (each line to
+    every one of them, for a batch)."""
     if not enabled:
         yield
         return
-    with (
-        open(log, "a", buffering=1) as f,
-        contextlib.redirect_stdout(f),
-        contextlib.redirect_stderr(f),
-    ):
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(log, "a", buffering=1)) for log in logs]
+        out = files[0] if len(files) == 1 else _Tee(files)
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(out))
         yield
+
+
+class _Tee:
+    """A text stream writing to several files."""
+
+    def __init__(self, files: list[Any]) -> None:
+        self.files = files
+
+    def write(self, text: str) -> int:
+        for f in self.files:
+            f.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for f in self.files:
+            f.flush()

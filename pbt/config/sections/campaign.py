@@ -301,10 +301,17 @@ class LaunchConfig:
     members_per_batch: PositiveInt = 1
     """Members whose rollouts one process samples in ONE batch through its one base model, each
     row through its own member's LoRA adapter with its own temperature and random stream
-    (library mode's ``get_actions``; the ``hf`` and ``static`` engines, unsharded). A member
-    samples exactly what it samples alone. Eight 0.5B members of 64 rows are one 512-row batch,
-    which a GPU decodes nearer its large-batch rate than eight small batches in turn. 1: members
-    take turns."""
+    (library mode's ``get_actions``; a campaign's long-lived worker takes this many tasks of a
+    generation at once and trains them in lock step; the ``hf`` and ``static`` engines, one
+    rank, unsharded). A member samples exactly what it samples alone. Eight 0.5B members of 64
+    rows are one 512-row batch, which a GPU decodes nearer its large-batch rate than eight
+    small batches in turn. 1: members take turns."""
+    batched_train: bool = False
+    """With ``members_per_batch`` > 1 in a campaign's worker: the members' updates too in one
+    forward and one backward a micro-batch (each row through its own member's adapter, each
+    member's loss normalised as alone, each optimizer stepping its own adapter), equal to each
+    member's own update within float32 rounding rather than bit for bit. false: each member
+    learns in turn, exactly as alone (docs/rollouts.md)."""
     max_attempts: PositiveInt = 2
     """Attempts of a failing member before it is replaced by a clone of the elite."""
     heartbeat_timeout_s: Seconds = 300.0

@@ -63,7 +63,7 @@ def test_lean_logprobs_and_gradients_equal_the_full_logits(member, monkeypatch, 
         learner.complete([ex.question for ex in member.task.train[:4]]),
         member.tokenizer.pad_token_id,
     )
-    assert rollout._plain_output_layer(learner.model) is not None  # the lean path is taken
+    assert rollout.plain_output_layer(learner.model) is not None  # the lean path is taken
     lean, lean_grads = _logprobs_and_grads(member, batch, lean=True)
     full, full_grads = _logprobs_and_grads(member, batch, lean=False)
     mask = batch.completion_mask.bool()
@@ -125,8 +125,8 @@ def test_an_adapted_output_layer_takes_the_full_logits(member):
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
     adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
-    assert rollout._plain_output_layer(adapted) is None
-    assert rollout._plain_output_layer(member.learner.model) is not None
+    assert rollout.plain_output_layer(adapted) is None
+    assert rollout.plain_output_layer(member.learner.model) is not None
 
 
 @pytest.mark.integration

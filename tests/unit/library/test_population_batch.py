@@ -71,7 +71,11 @@ def test_members_per_batch_is_checked(tmp_path):
         )
 
 
-def test_a_campaign_manifest_is_told_members_per_batch_batches_library_mode_only(tmp_path):
-    manifest = small_manifest(tmp_path, launch={"members_per_batch": 4})
-    assert any(n.startswith("launch.members_per_batch (4) batches") for n in manifest.notes())
+def test_a_campaign_manifest_is_told_where_members_per_batch_applies(tmp_path):
+    persistent = small_manifest(tmp_path, launch={"members_per_batch": 4})
+    assert not any("members_per_batch" in n for n in persistent.notes())  # workers batch
+    alone = small_manifest(tmp_path, launch={"members_per_batch": 4, "persistent_workers": False})
+    assert any(n.startswith("launch.members_per_batch (4) batches") for n in alone.notes())
     assert not any("members_per_batch" in n for n in small_manifest(tmp_path).notes())
+    unbatched = small_manifest(tmp_path, launch={"batched_train": True})
+    assert any(n.startswith("launch.batched_train (true)") for n in unbatched.notes())

@@ -1,0 +1,190 @@
+"""Members of one shared base trained together (:mod:`pbt.algorithms.runtime.population_train`)
+against each member trained alone (float32, CPU, the tiny model).
+
+In lock step, with one batched rollout and each member learning in turn: bit for bit. With the
+updates as one (``launch.batched_train``): one pass's log-probs and each member's gradient from
+it within float32 rounding (the base layers multiply all members' rows at once, and the CPU's
+BLAS may round a row differently in a product of more rows: 1.4e-6 on a log-prob of ~10, seen
+at 2 rows a member against 6), and after two updates of four Adam steps each member's adapter
+and moments within 1e-3 of their scale: Adam's ``g / sqrt(v)`` amplifies such a difference in a
+near-zero gradient element (seen: ~1e-4 of a weight). Many layouts agree bit for bit; none is
+promised to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import small_manifest
+
+from pbt.algorithms.passes import LogProbs
+from pbt.algorithms.rollout.hf import sequence_logprobs
+from pbt.algorithms.runtime.population_batch import row_adapters
+from pbt.algorithms.runtime.population_train import (
+    learn_together,
+    learns_together,
+    logprobs_together,
+    train_together,
+)
+from pbt.algorithms.runtime.shared_base import SharedBase
+
+CPU = torch.device("cpu")
+HYPERPARAMETERS = [  # each member its own lr and sampling temperature (a per-row temperature)
+    {"lr": 5e-2, "temperature": 1.0},
+    {"lr": 2e-2, "temperature": 0.7},
+    {"lr": 8e-2, "temperature": 1.3},
+]
+ALGORITHM = {  # two mini-batches of 8 rows an epoch, two epochs, a KL term
+    "group_size": 4,
+    "prompts_per_step": 4,
+    "mini_batch_size": 8,
+    "update_epochs": 2,
+    "beta": 0.05,
+    "collapse_patience": 1,  # a member whose step has no signal stops (none does, but below)
+}
+
+
+def _shared(tmp_path, per_batch: int, batched_train: bool) -> SharedBase:
+    manifest = small_manifest(
+        tmp_path,
+        algorithm=ALGORITHM,
+        rollout={"max_output_tokens": 8},
+        launch={"members_per_batch": per_batch, "batched_train": batched_train},
+    )
+    shared = SharedBase(manifest, CPU)
+    for i, values in enumerate(HYPERPARAMETERS):
+        shared.add(f"m{i}", seed=100 + i).learner.apply_hyperparameters(values)
+    return shared
+
+
+def _state(shared: SharedBase, member_id: str) -> list[torch.Tensor]:
+    """The member's adapter and every tensor of its optimizer state."""
+    member = shared.activate(member_id)
+    tensors = [p.detach().clone() for p in shared.params]
+    for param in shared.params:
+        state = member.learner.optimizer.state.get(param, {})
+        tensors += [v.clone() for _, v in sorted(state.items()) if torch.is_tensor(v)]
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """Each member trained two steps alone, in turn: its steps' metrics and its state."""
+    shared = _shared(tmp_path_factory.mktemp("alone"), 1, False)
+    out = {}
+    for member_id in shared.members:
+        history = shared.activate(member_id).train(2)
+        out[member_id] = (history, _state(shared, member_id))
+    return out
+
+
+def _without_timings(history):
+    drop = ("tokens_per_s", "step_time_s")
+    return [{k: v for k, v in step.items() if k not in drop} for step in history]
+
+
+def test_members_in_lock_step_train_as_alone_bit_for_bit(tmp_path, alone):
+    shared = _shared(tmp_path, 3, False)
+    assert not learns_together(shared)
+    trained = train_together(shared, list(shared.members), 2)
+    assert shared.row_adapters is not None  # the rollouts went through one batch
+    for member_id, (history, state) in alone.items():
+        assert trained[member_id].error is None
+        assert _without_timings(trained[member_id].history) == _without_timings(history)
+        together = _state(shared, member_id)
+        assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
+
+
+def test_a_batched_train_step_learns_each_member_as_alone(tmp_path, alone):
+    """``launch.batched_train`` in the training loop: the first step's rollouts are each
+    member's own (the same adapters), its update equal within rounding."""
+    shared = _shared(tmp_path, 3, True)
+    trained = train_together(shared, list(shared.members), 1)
+    for member_id, (history, _) in alone.items():
+        assert trained[member_id].error is None
+        got, want = trained[member_id].history[0], history[0]
+        assert got["reward_mean"] == want["reward_mean"]  # the same tokens
+        assert got["optimizer_steps"] == want["optimizer_steps"] == 4
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alone):
+    shared = _shared(tmp_path, 3, False)
+    # near-greedy: every completion of a group the same, so no reward spread and no signal
+    shared.member("m1").learner.apply_hyperparameters({"temperature": 1e-4})
+    trained = train_together(shared, list(shared.members), 2)
+    collapsed = shared.member("m1")
+    assert collapsed.stopped and len(trained["m1"].history) == 1 and trained["m1"].error is None
+    for member_id in ("m0", "m2"):
+        history, state = alone[member_id]
+        assert _without_timings(trained[member_id].history) == _without_timings(history)
+        together = _state(shared, member_id)
+        assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
+
+
+def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path):
+    shared = _shared(tmp_path, 3, True)
+    model, ids = shared.host.model, list(shared.members)
+    asks, alone = {}, {}
+    for member_id in ids:
+        member = shared.activate(member_id)
+        with (
+            torch.no_grad()
+        ):  # a distinct adapter each, B not zero: every LoRA matrix has a gradient
+            for param in shared.params:
+                param.add_(
+                    torch.randn(param.shape, generator=torch.Generator().manual_seed(len(asks)))
+                    * 0.1
+                )
+        examples = member.learner.sample_prompts(member.task.train)[:1]
+        rows = member.learner.complete([ex.chat for ex in examples]).select(slice(0, 2))
+        asks[member_id] = LogProbs(rows, member.learner.rollout_cfg.temperature, grad=True)
+        logp = sequence_logprobs(model, rows, asks[member_id].temperature)
+        (logp * rows.completion_mask).sum().backward()
+        alone[member_id] = (
+            logp.detach(),
+            {n: p.grad.clone() for n, p in shared.host.named_trainable},
+        )
+        member.learner.optimizer.zero_grad(set_to_none=True)
+    shared.store_active()
+    adapters = row_adapters(shared, 3)
+    names = [name for name, _ in shared.host.named_trainable]
+    slots = {member_id: slot for slot, member_id in enumerate(ids)}
+    for member_id, slot in slots.items():
+        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(True)
+    together = logprobs_together(model, adapters, slots, asks)
+    torch.stack([(together[m] * asks[m].rows.completion_mask).sum() for m in ids]).sum().backward()
+    for member_id, (logp, grads) in alone.items():
+        torch.testing.assert_close(together[member_id], logp, rtol=0, atol=1e-5)
+        got = adapters.named_grads(slots[member_id])
+        for name, grad in grads.items():
+            assert float((got[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()), name
+
+
+def test_one_forward_and_backward_update_each_member_as_alone(tmp_path):
+    """The same scored batches learned from twice: each member in turn, and all members'
+    updates as one (every pass of the three members' updates in one forward or backward)."""
+    turns, together = _shared(tmp_path / "t", 3, True), _shared(tmp_path / "b", 3, True)
+    assert learns_together(together)
+    ids = list(turns.members)
+    for _ in range(2):
+        scored = {}
+        for member_id in ids:
+            member = turns.activate(member_id)
+            examples = member.learner.sample_prompts(member.task.train)
+            batch = member.learner.complete([ex.chat for ex in examples])
+            rewards = member.learner.score(examples, batch, member.task.reward)
+            scored[member_id] = (batch, rewards)
+            assert member.learner.learn(batch, rewards)["skipped"] == 0.0
+        steps = {m: together.member(m).learner.learn_steps(b, r) for m, (b, r) in scored.items()}
+        results = learn_together(together, steps)
+        assert all(isinstance(r, dict) and r["optimizer_steps"] == 4 for r in results.values())
+    moved = []
+    for member_id in ids:
+        want, got = _state(turns, member_id), _state(together, member_id)
+        for a, b in zip(want, got, strict=True):  # Adam amplifies a pass's rounding (above)
+            assert float((a - b).abs().max()) <= 1e-3 * float(a.abs().max()), member_id
+        moved.append(want[0])
+    assert not torch.equal(moved[0], moved[1])  # the members learned apart
