@@ -53,7 +53,8 @@ def batch_size(task: TaskMessage, world_size: int) -> int:
     manifest = _manifest(task)
     k = manifest.launch.members_per_batch
     sharded = FSDPConfig.from_value(manifest.distributed.fsdp) is not None
-    dedicated = manifest.launch.rollout_gpus_per_member > 0
+    engines = manifest.launch.rollout_gpus_per_member  # a count, or "auto": engines with async
+    dedicated = manifest.rollout.mode == "async" if engines == "auto" else engines > 0
     in_process = manifest.rollout.engine in ("hf", "static")
     return k if k > 1 and world_size == 1 and in_process and not sharded and not dedicated else 1
 
