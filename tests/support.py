@@ -6,12 +6,14 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -331,3 +333,71 @@ def vllm_env(tmp_path: Path) -> dict[str, str]:
         "TMPDIR": str(tmp_path / "tmp"),
         "OMP_NUM_THREADS": "1",
     }
+
+
+SLURM_REQUIRED = os.environ.get("PBT_REQUIRE_SLURM") == "1"
+"""CI's ``PBT_REQUIRE_SLURM=1``: a Slurm test without a test cluster fails instead of skipping."""
+SLURM_CLUSTER_SCRIPT = TESTS / "slurm" / "cluster.sh"
+
+
+def slurm_unavailable() -> str:
+    """Why no private Slurm test cluster can be brought up here ("" when one can)."""
+    if sys.platform != "linux":
+        return "Slurm's daemons run on Linux"
+    installed = shutil.which("slurmctld") and shutil.which("sbatch")
+    if not installed and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        return "Slurm is not installed, and without root and apt-get it cannot be"
+    if os.geteuid() != 0:
+        return "a private test cluster needs root (set PBT_TEST_SLURM_CONF to a test cluster)"
+    return ""
+
+
+@contextlib.contextmanager
+def slurm_cluster(folder: Path) -> Iterator[str]:
+    """The ``SLURM_CONF`` of a Slurm test cluster: ``PBT_TEST_SLURM_CONF``'s (``.ci/run``
+    brings it up with ``tests/slurm/cluster.sh``), or a private one in ``folder``, brought up
+    here and stopped on exit. Where neither can be had, the test skips saying why (fails with
+    ``PBT_REQUIRE_SLURM=1``). An ambient ``SLURM_CONF`` is never used: tests must not submit
+    jobs to a real cluster."""
+    conf = os.environ.get("PBT_TEST_SLURM_CONF")
+    if conf:
+        yield conf
+        return
+    why = slurm_unavailable()
+    if why:
+        _no_slurm(f"no Slurm test cluster: {why}")
+    up = subprocess.run(
+        ["bash", str(SLURM_CLUSTER_SCRIPT), "up", str(folder)], capture_output=True, text=True
+    )
+    if up.returncode != 0:
+        _no_slurm(f"the Slurm test cluster did not come up: {up.stderr.strip()}")
+    try:
+        yield str(folder / "slurm.conf")
+    finally:
+        subprocess.run(
+            ["scancel", "--me"], capture_output=True, check=False,
+            env={**os.environ, "SLURM_CONF": str(folder / "slurm.conf")},
+        )  # fmt: skip
+        subprocess.run(["bash", str(SLURM_CLUSTER_SCRIPT), "down", str(folder)], check=False)
+
+
+def _no_slurm(why: str) -> None:
+    if SLURM_REQUIRED:
+        pytest.fail(f"PBT_REQUIRE_SLURM=1 but {why}")
+    pytest.skip(why)
+
+
+@contextlib.contextmanager
+def slurm_conf(conf: str) -> Iterator[str]:
+    """``SLURM_CONF`` set to ``conf`` (Slurm's commands, and the launcher's, use it) while in
+    the block, restored after; every job left on the cluster is cancelled on the way out."""
+    before = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield conf
+    finally:
+        subprocess.run(["scancel", "--me"], capture_output=True, check=False)
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before

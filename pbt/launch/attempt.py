@@ -4,11 +4,11 @@ of an attempt it has started (:class:`Running`). No torch here."""
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pbt.launch.processes import ProcessGroup
 from pbt.protocol.messages import ResultMessage
 
 OutcomeStatus = Literal[
@@ -43,7 +43,8 @@ class TaskSpec:
     """Processes (ranks) in the task's torchrun group."""
     adopt: str | None = None
     """A job a previous controller started for this very attempt, to watch instead of starting
-    one (see :meth:`LocalLauncher.take_over`); local process groups are never adopted."""
+    one (see :meth:`ProcessBackend.take_over <pbt.launch.backend.ProcessBackend.take_over>`);
+    local process groups are never adopted."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class Running:
     task: TaskSpec
     slot: int
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: ProcessGroup
+    """The group that runs it: its own, or (handed to a long-lived worker) the worker's."""
     started: float  # time.monotonic()
     started_wall: float  # time.time(), to compare with the heartbeat's mtime
     released: bool = False  # its slot was handed on before it ended (see RELEASED)

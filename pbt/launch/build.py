@@ -1,5 +1,6 @@
-"""The launcher a campaign's ``launch`` section asks for: local process groups or Slurm jobs,
-one per task or long-lived workers, with the members' environment. No torch here."""
+"""The launcher a campaign's ``launch`` section asks for: a process group per task or long-lived
+workers (``persistent_workers``), on this machine or as Slurm jobs (``backend``), with the
+members' environment. No torch here."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from pbt.config.sections.campaign import LaunchConfig, SlurmConfig
-from pbt.launch import slurm
+from pbt.launch.backend import LocalBackend, ProcessBackend
 from pbt.launch.handahead import HandAhead
-from pbt.launch.local import LocalLauncher, member_command
+from pbt.launch.local import LocalLauncher
 from pbt.launch.persistent import PersistentLauncher
 from pbt.launch.placement import COLOCATED, Placement
+from pbt.launch.slurm import SlurmBackend
 
 
 def member_env(launch: LaunchConfig) -> dict[str, str]:
@@ -23,6 +25,18 @@ def member_env(launch: LaunchConfig) -> dict[str, str]:
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (launch.slots * launch.ranks)))
         }
     return {}
+
+
+def build_backend(
+    launch: LaunchConfig, directory: Path, slurm: SlurmConfig | None = None
+) -> ProcessBackend:
+    """What runs the process groups of the campaign in ``directory`` (``launch.backend``);
+    ``slurm`` in place of ``launch.slurm`` (with the engine GPUs added, say)."""
+    if launch.backend == "local":
+        return LocalBackend()
+    if launch.backend == "slurm":
+        return SlurmBackend(slurm or launch.slurm, name=f"pbt-{directory.resolve().name}")
+    raise ValueError(f"launch.backend ({launch.backend!r}) names no backend; use local or slurm")
 
 
 def build_launcher(
@@ -36,40 +50,39 @@ def build_launcher(
     """The launcher for ``launch`` in campaign ``directory``.
 
     Args:
-        command: the member command in place of the default (``pbt.worker`` under torchrun,
-            or under ``srun`` on Slurm); tests give a fake member.
+        command: the member command in place of the backend's default (``pbt.worker`` under
+            torchrun, or under ``srun`` on Slurm); tests give a fake member.
         env: variables added to every member's environment.
         hand_ahead: where tasks handed ahead to long-lived workers are kept between calls.
         placement: where the members' rollout engines run (:mod:`pbt.launch.placement`): each
             slot's GPUs, and on Slurm the engine GPUs each job asks for.
     """
-    env = {**env, **placement.env()}
-    kind, extra = LocalLauncher, {}
-    if launch.persistent_workers:
-        kind, extra = PersistentLauncher, {"workers_dir": directory / "workers"}
-        if launch.backend != "slurm":
-            extra["members_per_batch"] = launch.members_per_batch
-    gpus = launch.gpus_per_member
+    gpus, config = launch.gpus_per_member, launch.slurm
     if launch.backend == "slurm":
-        command = command or slurm.slurm_member_command()
-        kind = slurm.SlurmPersistentLauncher if launch.persistent_workers else slurm.SlurmLauncher
         config, gpus = _with_engine_gpus(launch, placement.engine_gpus_per_member)
-        extra |= {"slurm": config, "name": f"pbt-{directory.resolve().name}"}
+    backend = build_backend(launch, directory, config)
     limit = launch.memory_limit_gib
-    launcher = kind(
-        command or member_command(),
-        **extra,
-        slots=launch.slots,
-        gpus_per_member=gpus,
-        gpu_ids=launch.gpu_ids,
-        members_per_gpu=launch.members_per_gpu,
-        heartbeat_timeout_s=launch.heartbeat_timeout_s,
-        task_timeout_s=launch.task_timeout_s,
-        env=env,
-        campaign_dir=directory,
-        memory_limit_bytes=None if limit is None else int(limit * 2**30),
-        hand_ahead=hand_ahead,
-    )
+    common = {
+        "slots": launch.slots,
+        "gpus_per_member": gpus,
+        "gpu_ids": launch.gpu_ids,
+        "members_per_gpu": launch.members_per_gpu,
+        "heartbeat_timeout_s": launch.heartbeat_timeout_s,
+        "task_timeout_s": launch.task_timeout_s,
+        "env": {**env, **placement.env()},
+        "campaign_dir": directory,
+        "memory_limit_bytes": None if limit is None else int(limit * 2**30),
+        "hand_ahead": hand_ahead,
+        "backend": backend,
+    }
+    command = command or backend.member_command()
+    if launch.persistent_workers:
+        batch = launch.members_per_batch if launch.backend != "slurm" else 1
+        launcher = PersistentLauncher(
+            command, workers_dir=directory / "workers", members_per_batch=batch, **common
+        )
+    else:
+        launcher = LocalLauncher(command, **common)
     if placement.slot_devices:
         launcher.slot_gpus = list(placement.slot_devices)  # trainer GPUs, then engine GPUs
     return launcher

@@ -10,15 +10,16 @@ The protocol, all JSON files in one task directory, all written atomically:
 - on success the member writes ``result.json`` (a :class:`~pbt.protocol.messages.ResultMessage`);
   a file that is not one of this version is a ``bad_result``, with the reason.
 
-:class:`LocalLauncher` runs each task (a ``torchrun`` command, in practice) in its own session so
-the whole tree can be killed with one ``os.killpg``; a task gets a slot (its GPUs), and the rest
+:class:`LocalLauncher` runs each task attempt (a ``torchrun`` command, in practice) as a process
+group of its own, started by its backend (:mod:`pbt.launch.backend`): on this machine by
+default, in its own session so the whole tree can be killed with one ``os.killpg``, or as a
+Slurm job (:class:`~pbt.launch.slurm.SlurmBackend`). A task gets a slot (its GPUs), and the rest
 queue. The default command lets torchrun bind its rendezvous port itself (``--standalone``:
 port 0, read back by its ranks), so no other process can take the port between its choice and
 its bind; a command of the caller's that names ``{port}`` gets one that was free when chosen.
-Every process of a task carries the campaign and the controller in its environment
+Every local process of a task carries the campaign and the controller in its environment
 (:mod:`pbt.protocol.controller`): a long-lived worker ends soon after its controller dies, and
-a resumed controller ends whatever its predecessor left running. :mod:`pbt.launch.slurm` runs
-the same tasks as Slurm jobs behind the same ``run`` contract; a process group there is a job.
+a resumed controller ends whatever its predecessor left running.
 
 A member that fails for want of memory or disk, because its training diverged, because a
 reward function failed, or on a configuration error, says so in ``fault.json`` (:mod:`pbt.protocol.faults`); its outcome is then
@@ -34,28 +35,18 @@ starts under ``RLIMIT_DATA``.
 from __future__ import annotations
 
 import collections
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pbt.config.errors import PbtError
 from pbt.launch.attempt import Outcome, OutcomeStatus, Running, TaskSpec
+from pbt.launch.backend import GroupSpec, LocalBackend, ProcessBackend
+from pbt.launch.backend import member_command as member_command
 from pbt.launch.handahead import HandAhead
-from pbt.launch.processes import (
-    describe_exit,
-    kill_groups,
-    kill_orphan,
-    log_tail,
-    memory_limiter,
-    port_is_free,
-)
+from pbt.launch.processes import ProcessGroup, describe_exit, log_tail, port_is_free
 from pbt.protocol import faults
-from pbt.protocol.controller import CAMPAIGN_ENV, CONTROLLER_ENV, controller_token
 from pbt.protocol.crash import crash_point
 from pbt.protocol.files import RELEASED
 from pbt.protocol.messages import (
@@ -71,25 +62,9 @@ STALE_FILES = (RESULT_FILE, "heartbeat", faults.FAULT_FILE, RELEASED)
 """A task's files from a previous attempt, removed before the next one starts."""
 
 
-def member_command() -> list[str]:
-    """The default member command: ``pbt.worker`` under torchrun, one node, the rank count
-    filled in by the launcher (``{nproc}``). ``--standalone``: the agent binds its rendezvous
-    store on port 0 and its ranks read the port back from it, so two campaigns on one machine
-    never race for a port."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        "--nproc_per_node={nproc}",
-        "-m",
-        "pbt.worker",
-    ]
-
-
 class LocalLauncher:
-    """Run tasks as local process groups, at most ``slots`` at once, in FIFO order.
+    """Run each task attempt as a process group of its own, at most ``slots`` at once, in FIFO
+    order, on this machine or as Slurm jobs (its ``backend``).
 
     Args:
         command: program prefix; ``{nproc}`` and ``{port}`` are replaced per task, and the path
@@ -102,7 +77,8 @@ class LocalLauncher:
         heartbeat_timeout_s: a task whose heartbeat is older than this (or missing this long
             after start) is killed.
         task_timeout_s: a task running longer than this is killed; None: no limit.
-        poll_s: seconds between checks of the running tasks.
+        poll_s: seconds between checks of the running tasks; default :attr:`default_poll_s`,
+            or what the backend asks for.
         base_port: for a command that names ``{port}``: slot ``i`` gets port ``base_port + 10 *
             i`` (or the next free one). The default command needs none (``--standalone``).
         env: variables added to the inherited environment.
@@ -114,7 +90,11 @@ class LocalLauncher:
             (``RLIMIT_DATA``: its heap and private mappings; not GPU memory, not the address
             space CUDA reserves); past it an allocation fails and the member reports
             ``out_of_memory``. None: no limit.
+        backend: what starts, watches and stops the groups (:mod:`pbt.launch.backend`);
+            default: :class:`~pbt.launch.backend.LocalBackend`, this machine.
     """
+
+    default_poll_s = 0.5
 
     def __init__(
         self,
@@ -124,14 +104,19 @@ class LocalLauncher:
         gpu_ids: list[int] | None = None,
         heartbeat_timeout_s: float = 120.0,
         task_timeout_s: float | None = None,
-        poll_s: float = 0.5,
+        poll_s: float | None = None,
         base_port: int = 29600,
         env: dict[str, str] | None = None,
         memory_limit_bytes: int | None = None,
         members_per_gpu: int = 1,
         campaign_dir: Path | None = None,
         hand_ahead: HandAhead | None = None,
+        backend: ProcessBackend | None = None,
     ) -> None:
+        self.backend = LocalBackend() if backend is None else backend
+        if poll_s is None:
+            own = self.backend.poll_s
+            poll_s = self.default_poll_s if own is None else own
         groups = -(-slots // max(1, members_per_gpu))
         ids = list(range(groups * gpus_per_member)) if gpu_ids is None else list(gpu_ids)
         positive = {"slots": slots, "heartbeat_timeout_s": heartbeat_timeout_s, "poll_s": poll_s}
@@ -251,7 +236,7 @@ class LocalLauncher:
                 if running:
                     time.sleep(self.poll_s)
         except BaseException:
-            kill_groups([item.proc for item in [*running, *self.hand_ahead.running()]])
+            self.backend.stop([item.proc for item in [*running, *self.hand_ahead.running()]])
             self.hand_ahead.clear()
             raise
         return [outcomes[i] for i in range(len(tasks))]
@@ -288,7 +273,7 @@ class LocalLauncher:
 
     def _discard(self, item: Running) -> None:
         """End a task handed ahead that is not to run."""
-        kill_groups([item.proc])
+        self.backend.stop([item.proc])
 
     ahead = 0
     """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
@@ -341,52 +326,47 @@ class LocalLauncher:
                 raise ValueError(f"task {task.task_id}: nproc ({task.nproc}) must be >= 1")
 
     def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> Running:
-        """Clear the previous attempt's files and start the task's process group."""
-        task_dir = Path(task.task_dir)
+        """Start the task's attempt (its previous attempt's files cleared), or watch the group
+        a previous controller started for it (:attr:`TaskSpec.adopt`)."""
+        if task.adopt is not None:
+            group = self.backend.adopt(task.adopt, Path(task.task_dir))
+            return Running(index, task, slot, 0, group, time.monotonic(), time.time())
         for stale in STALE_FILES:
-            (task_dir / stale).unlink(missing_ok=True)
+            (Path(task.task_dir) / stale).unlink(missing_ok=True)
+        return self._launch(index, task, slot, taken_ports)
+
+    def _launch(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> Running:
+        """Start a process group for the task."""
+        task_dir = Path(task.task_dir)
         port = self._pick_port(slot, taken_ports)
         proc = self._popen(slot, task.nproc, port, [str(task_dir / "task.json")], task.log_path)
-        self._record(proc, task_dir)
+        self.backend.record(proc, task_dir)
         return Running(index, task, slot, port, proc, time.monotonic(), time.time())
-
-    def _record(self, proc: Any, folder: Path) -> None:
-        """Leave the group's id in ``folder``: it outlives this controller, and a resumed one
-        reads it to end orphans."""
-        (folder / "pgid").write_text(str(proc.pid))
 
     def take_over(self, task_dir: Path) -> str | None:
         """What a crashed controller left running for ``task_dir``: the id of a job to adopt,
-        or None once nothing of it runs any more. Local process groups are ended (a resumed
-        controller cannot wait on a process it did not start); the Slurm launcher adopts."""
-        kill_orphan(task_dir)
-        return None
+        or None once nothing of it runs any more (:meth:`ProcessBackend.take_over
+        <pbt.launch.backend.ProcessBackend.take_over>`: local process groups are ended, Slurm
+        jobs adopted)."""
+        return self.backend.take_over(task_dir)
 
     def _popen(
         self, slot: int, nproc: int, port: int, tail: list[str], log_path: Path
-    ) -> subprocess.Popen[bytes]:
-        """The command (``{nproc}`` and ``{port}`` filled in, ``tail`` appended) as a process
-        group of its own on the slot's GPUs, writing to ``log_path``."""
-        argv = [a.replace("{nproc}", str(nproc)).replace("{port}", str(port)) for a in self.command]
-        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": self.slot_gpus[slot]}
-        env.pop("MLFLOW_RUN_ID", None)  # an inherited run id would hijack every member's run
-        env[CONTROLLER_ENV] = controller_token()
-        env.pop(CAMPAIGN_ENV, None)
-        if self.campaign_dir is not None:
-            env[CAMPAIGN_ENV] = str(self.campaign_dir)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # the log shows progress as it happens
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        limit = self.memory_limit_bytes
-        with open(log_path, "wb") as log:
-            return subprocess.Popen(
-                [*argv, *tail],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=None if limit is None else memory_limiter(limit),
-            )
+    ) -> ProcessGroup:
+        """The command with ``tail`` appended, as a process group of its own on the slot's
+        GPUs, writing to ``log_path``."""
+        spec = GroupSpec(
+            command=[*self.command, *tail],
+            nproc=nproc,
+            port=port,
+            log_path=Path(log_path),
+            gpus=self.slot_gpus[slot],
+            gpus_per_member=self.gpus_per_member,
+            env=self.env,
+            campaign_dir=self.campaign_dir,
+            memory_limit_bytes=self.memory_limit_bytes,
+        )
+        return self.backend.start(spec)
 
     def _pick_port(self, slot: int, taken: set[int]) -> int:
         """A port for a command that names ``{port}``, free when chosen (not held: the
@@ -405,16 +385,17 @@ class LocalLauncher:
         """The task's outcome if it has ended (or was killed just now), else None."""
         returncode = item.proc.poll()
         if returncode is not None:
-            kill_groups([item.proc])  # stragglers the leader left behind
+            self.backend.stop([item.proc])  # stragglers the leader left behind
             status, result, detail = _classify_exit(item.task.task_dir, returncode)
             if status == "failed":
                 status, detail = classify_fault(item.task, detail, Path(item.task.log_path))
-            return self._outcome(item, returncode, status, result, detail)
+            outcome = self._outcome(item, returncode, status, result, detail)
+            return self.backend.explain(item.proc, outcome)
         overdue = self._overdue(item)
         if overdue is None:
             return None
         status, reason = overdue
-        (returncode,) = kill_groups([item.proc])
+        (returncode,) = self.backend.stop([item.proc])
         return self._outcome(
             item, returncode, status, None, f"{reason}; {describe_exit(returncode)}"
         )
@@ -440,7 +421,8 @@ class LocalLauncher:
         """Whether ``item`` waits for resources (a queued job) or, handed ahead, for the task
         before it on its worker to let go; its clocks start when it may run."""
         ahead = item.behind
-        return not self._took(item) and not (ahead is None or ahead.released or ahead.ended)
+        behind = not self._took(item) and not (ahead is None or ahead.released or ahead.ended)
+        return behind or self.backend.waiting(item.proc)
 
     def _outcome(
         self,

@@ -1,5 +1,6 @@
 """Long-lived workers: one group per slot that loads the base model once and takes task after
-task from its inbox (the worker's side is :mod:`pbt.worker.serve`). No torch here."""
+task from its inbox (the worker's side is :mod:`pbt.worker.serve`), on any backend (a worker is
+a local process group or a Slurm job). No torch here."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pbt.launch.attempt import Outcome, Running, TaskSpec
-from pbt.launch.local import STALE_FILES, LocalLauncher, classify_fault
-from pbt.launch.processes import KILL_GRACE_S, describe_exit, kill_groups, kill_orphan, log_tail
+from pbt.launch.local import LocalLauncher, classify_fault
+from pbt.launch.processes import KILL_GRACE_S, ProcessGroup, describe_exit, log_tail
 from pbt.protocol.files import RELEASED, write_json_atomic
 from pbt.protocol.messages import RESULT_FILE, MessageError, ResultMessage
 
@@ -23,7 +24,7 @@ class _Worker:
     slot: int
     nproc: int
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: ProcessGroup
     folder: Path
     sent: int = 0
     """Inbox entries written to this worker so far (the next one's number)."""
@@ -45,7 +46,8 @@ class PersistentLauncher(LocalLauncher):
     (a released one still writing, too): the group is killed and a fresh one serves the slot's
     next task. ``close()`` (or a
     ``stop`` file) ends the workers; a worker also ends after ``idle_timeout_s`` without a task
-    and when its folder is gone.
+    and when its folder is gone. A worker is a group of the launcher's ``backend``: on Slurm,
+    one long-running job per slot.
 
     Args:
         command: as :class:`LocalLauncher`'s, for a program that serves (``pbt.worker``).
@@ -54,9 +56,12 @@ class PersistentLauncher(LocalLauncher):
         members_per_batch: tasks a worker runs together (``launch.members_per_batch``): a slot
             is handed that many and as many again behind them, so the next batch is in the
             inbox when the worker takes it.
-        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.01 here, since a task's
-            end is the next one's start on the same worker, and every check waited is idle.
+        **kwargs: as :class:`LocalLauncher`; ``poll_s`` defaults to 0.01 here (unless the
+            backend asks for its own), since a task's end is the next one's start on the same
+            worker, and every check waited is idle.
     """
+
+    default_poll_s = 0.01
 
     def __init__(
         self,
@@ -66,14 +71,13 @@ class PersistentLauncher(LocalLauncher):
         members_per_batch: int = 1,
         **kwargs,
     ) -> None:
-        kwargs.setdefault("poll_s", 0.01)
         super().__init__(command, **kwargs)
         self.workers_dir = Path(workers_dir)
         self.idle_timeout_s = idle_timeout_s
         self.ahead = 2 * members_per_batch - 1
         self._workers: dict[int, _Worker] = {}
         for slot in range(self.slots):  # groups a crashed controller left behind
-            self._end_orphan_worker(self._folder(slot))
+            self.backend.end_orphan_worker(self._folder(slot))
 
     ahead = 1
 
@@ -81,19 +85,16 @@ class PersistentLauncher(LocalLauncher):
         worker = self._workers.get(slot)
         return worker is not None and worker.proc.poll() is None and worker.nproc == task.nproc
 
-    def _end_orphan_worker(self, folder: Path) -> None:
-        kill_orphan(folder, names=folder)
-
     def _folder(self, slot: int) -> Path:
         return self.workers_dir / f"slot{slot}"
 
-    def _start(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> Running:
+    def _launch(self, index: int, task: TaskSpec, slot: int, taken_ports: set[int]) -> Running:
+        """Hand the task to the slot's worker, started first if there is none (or it cannot
+        take the task)."""
         task_dir = Path(task.task_dir)
-        for stale in STALE_FILES:
-            (task_dir / stale).unlink(missing_ok=True)
         worker = self._workers.get(slot)
         if worker is not None and (worker.proc.poll() is not None or worker.nproc != task.nproc):
-            kill_groups([worker.proc])
+            self.backend.stop([worker.proc])
             worker = None
         if worker is None:
             worker = self._spawn(slot, task.nproc, taken_ports)
@@ -113,7 +114,7 @@ class PersistentLauncher(LocalLauncher):
         port = self._pick_port(slot, taken_ports | {w.port for w in self._workers.values()})
         tail = ["--serve", str(folder), "--idle-timeout", f"{self.idle_timeout_s:g}"]
         proc = self._popen(slot, nproc, port, tail, folder / "worker.log")
-        self._record(proc, folder)
+        self.backend.record(proc, folder)
         worker = _Worker(slot, nproc, port, proc, folder)
         self._workers[slot] = worker
         return worker
@@ -144,7 +145,8 @@ class PersistentLauncher(LocalLauncher):
                 )
             log = self._folder(item.slot) / "worker.log"
             status, detail = classify_fault(item.task, describe_exit(returncode), log)
-            return self._outcome(item, returncode, status, None, detail)
+            outcome = self._outcome(item, returncode, status, None, detail)
+            return self.backend.explain(item.proc, outcome)
         overdue = self._overdue(item)
         if overdue is None:
             return None
@@ -156,7 +158,7 @@ class PersistentLauncher(LocalLauncher):
 
     def _drop(self, item: Running) -> int:
         """Kill the worker that ran ``item`` (and its group); the slot starts a fresh one."""
-        (returncode,) = kill_groups([item.proc])
+        (returncode,) = self.backend.stop([item.proc])
         worker = self._workers.get(item.slot)
         if worker is not None and worker.proc is item.proc:
             del self._workers[item.slot]
@@ -190,7 +192,7 @@ class PersistentLauncher(LocalLauncher):
         for worker in self._workers.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.proc.wait(max(0.0, deadline - time.monotonic()))
-        kill_groups([w.proc for w in self._workers.values()])
+        self.backend.stop([w.proc for w in self._workers.values()])
         self._workers.clear()
 
 

@@ -1,6 +1,7 @@
-"""Process groups and jobs on this machine: start them under a memory limit, stop them (with a
-grace period, or by cancelling a job), say how they ended, and end what a crashed controller
-left behind. No torch here."""
+"""Process groups on this machine: what a started group is to a launcher
+(:class:`ProcessGroup`), starting one under a memory limit, stopping groups with a grace
+period, saying how they ended, and ending what a crashed controller left behind. No torch
+here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from pbt.protocol.controller import CAMPAIGN_ENV
 
@@ -22,6 +23,23 @@ KILL_GRACE_S = 5.0
 JOB_CANCEL_WAIT_S = 120.0
 """Seconds to wait for a cancelled job to end (Slurm's KillWait is 30 s by default)."""
 LOG_TAIL_LINES = 20
+
+
+class ProcessGroup(Protocol):
+    """A member's started process group as a launcher sees it, whatever runs it: the part of
+    :class:`subprocess.Popen`'s interface the launchers use (a Slurm job has it too)."""
+
+    pid: int
+    """The group's id: its leader's pid (the process group id), or a job's id."""
+
+    def poll(self) -> int | None:
+        """The exit code once the group has ended (``-signal`` when a signal ended it), else
+        None."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end; the exit code. Raises :class:`subprocess.TimeoutExpired`."""
+        ...
 
 
 def memory_limiter(limit: int) -> Callable[[], None]:
@@ -46,25 +64,12 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def kill_groups(procs: list[Any]) -> list[int]:
-    """SIGTERM each process group, SIGKILL what is left after ``KILL_GRACE_S``; return exit codes.
+def kill_groups(procs: list[ProcessGroup]) -> list[int]:
+    """SIGTERM each local process group, SIGKILL what is left after ``KILL_GRACE_S``; return
+    exit codes.
 
-    The groups share one grace period, so stopping many tasks takes no longer than one. A job
-    (anything with ``cancel``, e.g. a Slurm job) is cancelled instead, and waited for.
+    The groups share one grace period, so stopping many tasks takes no longer than one.
     """
-    for proc in procs:
-        if hasattr(proc, "cancel") and proc.poll() is None:
-            proc.cancel()
-    jobs = {id(p) for p in procs if hasattr(p, "cancel")}
-    if jobs:
-        codes = {}
-        for proc in procs:
-            if id(proc) in jobs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    codes[id(proc)] = proc.wait(JOB_CANCEL_WAIT_S)
-        rest = kill_groups([p for p in procs if id(p) not in jobs])
-        it = iter(rest)
-        return [codes.get(id(p), -signal.SIGKILL) if id(p) in jobs else next(it) for p in procs]
     for proc in procs:
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""Members as Slurm jobs: the batch script, the queue, and job states as outcomes. No torch here.
+"""Members as Slurm jobs: the backend that makes a launcher's process groups jobs
+(:class:`SlurmBackend`), the batch script, the queue, and job states as outcomes. No torch here.
 
 Slurm is driven through its own commands, which every cluster has and which keep their text
 formats across versions: ``sbatch --parsable`` submits, one ``squeue --me --states=all`` per
@@ -24,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,10 +35,9 @@ from typing import Any
 
 from pbt.config.errors import PbtError
 from pbt.config.sections.campaign import SlurmConfig
-from pbt.launch.attempt import Running
-from pbt.launch.local import LocalLauncher
-from pbt.launch.persistent import PersistentLauncher
-from pbt.launch.processes import JOB_CANCEL_WAIT_S
+from pbt.launch.attempt import Outcome
+from pbt.launch.backend import GroupSpec, ProcessBackend
+from pbt.launch.processes import JOB_CANCEL_WAIT_S, ProcessGroup
 from pbt.protocol.files import read_json, write_json_atomic
 from pbt.protocol.messages import RESULT_FILE, ResultMessage
 
@@ -341,64 +342,91 @@ def slurm_member_command() -> list[str]:
     ]
 
 
-class _SlurmBackend:
-    """What changes when a launcher's process groups are Slurm jobs (mixed into
-    :class:`LocalLauncher` and :class:`PersistentLauncher`, before them)."""
+class SlurmBackend(ProcessBackend):
+    """Each process group a Slurm job: a member task's (with :class:`LocalLauncher
+    <pbt.launch.local.LocalLauncher>`) or a long-lived worker's (with
+    :class:`PersistentLauncher <pbt.launch.persistent.PersistentLauncher>`, one job per slot).
 
-    def __init__(self, command: list[str], *, slurm: SlurmConfig, name: str, **kwargs) -> None:
-        self.slurm, self.name = slurm, name
-        self.queue = SlurmQueue(slurm.poll_s)
-        kwargs.pop("gpu_ids", None)  # Slurm gives each job its GPUs
-        kwargs.setdefault("poll_s", min(1.0, slurm.poll_s))
-        super().__init__(command, **kwargs)
+    Args:
+        config: the campaign's ``launch.slurm``.
+        name: every job's ``--job-name``.
+    """
 
-    def _popen(self, slot: int, nproc: int, port: int, tail: list[str], log_path: Path) -> SlurmJob:
-        """Submit the job: the command with ``tail`` appended, ``nproc`` ranks in all."""
-        log_path = Path(log_path).resolve()
+    name = "slurm"
+
+    def __init__(self, config: SlurmConfig, name: str) -> None:
+        self.config, self.job_name = config, name
+        self.queue = SlurmQueue(config.poll_s)
+        self.poll_s = min(1.0, config.poll_s)
+
+    def member_command(self) -> list[str]:
+        return slurm_member_command()
+
+    def start(self, spec: GroupSpec) -> SlurmJob:
+        """Submit the job: ``spec``'s command, ``spec.nproc`` ranks in all; Slurm gives it its
+        GPUs."""
+        log_path = Path(spec.log_path).resolve()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         script = batch_script(
-            self.slurm,
-            name=self.name,
-            command=[*self.command, *tail],
-            nproc=nproc,
-            gpus_per_member=self.gpus_per_member,
+            self.config,
+            name=self.job_name,
+            command=spec.command,
+            nproc=spec.nproc,
+            gpus_per_member=spec.gpus_per_member,
             log_path=log_path,
             workdir=Path.cwd(),
-            env={"PYTHONUNBUFFERED": "1", **self.env},
+            env={"PYTHONUNBUFFERED": "1", **spec.env},
         )
         path = log_path.with_suffix(".sbatch")
         path.write_text(script, encoding="utf-8")
-        job_id = self.queue.submit(path)
-        return SlurmJob(self.queue, job_id)  # its record is placed by _record
+        return SlurmJob(self.queue, self.queue.submit(path))  # its record is placed by record()
 
-    def _record(self, proc: SlurmJob, folder: Path) -> None:
-        proc.record = Path(folder) / JOB_FILE
-        write_json_atomic(proc.record, {"job_id": proc.job_id, "state": "PENDING", "reason": "",
-                                        "submitted": time.time()})  # fmt: skip
+    def record(self, group: ProcessGroup, folder: Path) -> None:
+        job = _job(group)
+        job.record = Path(folder) / JOB_FILE
+        write_json_atomic(job.record, {"job_id": job.job_id, "state": "PENDING", "reason": "",
+                                       "submitted": time.time()})  # fmt: skip
 
-    def _start(self, index, task, slot, taken_ports):
-        if task.adopt is None:
-            return super()._start(index, task, slot, taken_ports)
-        job = SlurmJob(self.queue, task.adopt, Path(task.task_dir) / JOB_FILE)
-        return Running(index, task, slot, 0, job, time.monotonic(), time.time())
+    def stop(self, groups: list[ProcessGroup]) -> list[int]:
+        """Cancel the jobs that have not ended, and wait for each (at most
+        ``JOB_CANCEL_WAIT_S``; one that outlasts it counts as killed)."""
+        jobs = [_job(group) for group in groups]
+        self.queue.cancel([job.job_id for job in jobs if job.poll() is None])
+        codes = []
+        for job in jobs:
+            try:
+                codes.append(job.wait(JOB_CANCEL_WAIT_S))
+            except subprocess.TimeoutExpired:
+                codes.append(-signal.SIGKILL)
+        return codes
 
-    def _waiting(self, item) -> bool:
-        return super()._waiting(item) or item.proc.waiting
+    def adopt(self, group_id: str, task_dir: Path) -> SlurmJob:
+        return SlurmJob(self.queue, group_id, Path(task_dir) / JOB_FILE)
 
-    def _check(self, item):
-        outcome = super()._check(item)
-        if outcome is None or outcome.status == "ok":
+    def waiting(self, group: ProcessGroup) -> bool:
+        return _job(group).waiting
+
+    def explain(self, group: ProcessGroup, outcome: Outcome) -> Outcome:
+        """A job that Slurm ended (time or memory limit, cancelled, preempted, a node lost):
+        that, rather than the bare exit code; a job whose task a signal killed: the signal
+        (``srun`` exits 128 + the signal's number, as its manual says)."""
+        if outcome.status == "ok":
             return outcome
-        state = item.proc.state()
+        job = _job(group)
+        state = job.state()
         status = STATUS_OF_STATE.get(state.state)
         if status is None:
-            return outcome
+            killed = _srun_signal(outcome.returncode) if state.state == "FAILED" else None
+            if killed is None:
+                return outcome
+            what = f"a task of job {job.job_id} was killed by {killed} (srun's exit code)"
+            return replace(outcome, detail=f"{what}; {outcome.detail}")
         what = {
-            "timeout": f"Slurm ended job {item.proc.job_id} at its time limit "
-            f"(launch.slurm.time {self.slurm.time})",
-            "out_of_memory": f"Slurm ended job {item.proc.job_id} for exceeding its memory "
-            f"(launch.slurm.mem {self.slurm.mem})",
-        }.get(status, f"job {item.proc.job_id} ended {state.state}")
+            "timeout": f"Slurm ended job {job.job_id} at its time limit "
+            f"(launch.slurm.time {self.config.time})",
+            "out_of_memory": f"Slurm ended job {job.job_id} for exceeding its memory "
+            f"(launch.slurm.mem {self.config.mem})",
+        }.get(status, f"job {job.job_id} ended {state.state}")
         return replace(outcome, status=status, detail=f"{what}; {outcome.detail}")
 
     def take_over(self, task_dir: Path) -> str | None:
@@ -414,7 +442,7 @@ class _SlurmBackend:
             return job.job_id
         return None
 
-    def _end_orphan_worker(self, folder: Path) -> None:
+    def end_orphan_worker(self, folder: Path) -> None:
         """A long-lived worker job of a crashed controller is cancelled (its task is run
         again): it would take tasks from an inbox nobody writes any more."""
         record = read_job(folder)
@@ -426,12 +454,22 @@ class _SlurmBackend:
                     job.wait(JOB_CANCEL_WAIT_S)
 
 
-class SlurmLauncher(_SlurmBackend, LocalLauncher):
-    """Each member task one Slurm job; at most ``slots`` jobs submitted at once."""
+def _srun_signal(returncode: int | None) -> str | None:
+    """The signal's name when ``returncode`` is ``srun``'s for a task a signal ended (128 + its
+    number), else None."""
+    if returncode is None or not 128 < returncode < 128 + signal.NSIG:
+        return None
+    try:
+        return signal.Signals(returncode - 128).name
+    except ValueError:
+        return None
 
 
-class SlurmPersistentLauncher(_SlurmBackend, PersistentLauncher):
-    """One long-running Slurm job per slot that takes member tasks from its inbox."""
+def _job(group: ProcessGroup) -> SlurmJob:
+    """``group`` as the Slurm job it is on this backend."""
+    if not isinstance(group, SlurmJob):
+        raise TypeError(f"the Slurm backend was given {group!r}, which is not a Slurm job")
+    return group
 
 
 def live_jobs(campaign_dir: Path) -> list[str]:

@@ -6,6 +6,11 @@ one task after another from `FOLDER/inbox`, as a long-lived worker of
 that peaks at lr = 3e-3), writes a checkpoint folder and result.json, and can be told to misbehave per member and attempt through `<campaign>/faults.json`:
 `{"g001-m01": ["exit1", "ok"]}` makes the first attempt exit 1 and the second succeed.
 
+`hang` stops heartbeating and waits (a stall), `hang_beating` waits heartbeating (a task past
+its timeout), each with a child process that names the task folder (so that a census of the
+campaign's processes sees it); `diverged` fails as a member whose training diverged. Every
+attempt leaves the id of the process that ran it in `member.pid` beside its task.
+
 `foreign_result` names a checkpoint outside the campaign in its result. `oom` allocates until
 an allocation fails (under `launch.memory_limit_gib`; it gives up after
 `FAKE_MEMBER_ALLOCATE_GIB`, default 4, without one); `disk_full` makes the checkpoint write
@@ -19,10 +24,12 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pbt.config.errors import DivergedError
 from pbt.protocol import faults
 from pbt.protocol.files import Heartbeat, read_json
 from pbt.protocol.messages import RESULT_FILE, ResultMessage, TaskMessage
@@ -59,9 +66,15 @@ def run_task(task_path: Path) -> None:
     attempts_file.write_text(str(attempt))
     plan = (read_json(campaign / "faults.json") or {}).get(member, [])
     behaviour = plan[attempt - 1] if attempt <= len(plan) else "ok"
+    (task_path.parent / "member.pid").write_text(str(os.getpid()))
+    if behaviour == "hang":  # alive, silent: no heartbeat ever
+        wait_with_a_child(task_path.parent)
     with Heartbeat(task_path.parent / "heartbeat", interval_s=0.2):
         time.sleep(float(os.environ.get("FAKE_MEMBER_SECONDS", "0.05")))
+        if behaviour == "hang_beating":
+            wait_with_a_child(task_path.parent)
         if behaviour == "exit1":
+            print(f"error: {member} fails on attempt {attempt}", file=sys.stderr, flush=True)
             sys.exit(1)
         if behaviour == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -72,6 +85,8 @@ def run_task(task_path: Path) -> None:
                 allocate(float(os.environ.get("FAKE_MEMBER_ALLOCATE_GIB", "4")))
             if behaviour == "reward":
                 score_reward(task)
+            if behaviour == "diverged":
+                raise DivergedError(3, 3, 1)
             parent = {"fitness": 0.0, "steps": 0}
             if task.parent_checkpoint:
                 parent = load_state(campaign / task.parent_checkpoint)
@@ -105,6 +120,12 @@ def run_task(task_path: Path) -> None:
         )
     if behaviour != "no_result":
         result.write(task_path.parent / RESULT_FILE)
+
+
+def wait_with_a_child(task_dir: Path) -> None:
+    """Start a child that names ``task_dir`` on its command line, and wait (until killed)."""
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", str(task_dir)])
+    time.sleep(600)
 
 
 def score_reward(task: TaskMessage) -> None:

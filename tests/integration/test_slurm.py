@@ -1,10 +1,11 @@
 """The Slurm backend against a real single-node Slurm (slurmctld + slurmd on 127.0.0.1).
 
 The cluster is the one named by ``PBT_TEST_SLURM_CONF`` (``.ci/run`` brings it up with
-``tests/slurm/cluster.sh``), or else a private one this module brings up and stops itself
-where it can (root and Debian's packages). Elsewhere the tests skip, saying why; with
-``PBT_REQUIRE_SLURM=1`` (CI) they fail instead. An ambient ``SLURM_CONF`` is never used: the
-tests must not submit jobs to a real cluster.
+``tests/slurm/cluster.sh``), or else a private one the session brings up and stops itself
+where it can (root and Debian's packages; :func:`support.slurm_cluster`). Elsewhere the tests
+skip, saying why; with ``PBT_REQUIRE_SLURM=1`` (CI) they fail instead. An ambient
+``SLURM_CONF`` is never used: the tests must not submit jobs to a real cluster. What every
+launcher must do, on Slurm too, is ``test_launcher_contract.py``'s.
 
 Launcher tests run a small hand-written member program as jobs (no torch): job states become
 outcomes, a job past its time is recorded as ``timeout`` (Slurm enforces limits in minutes, so
@@ -18,82 +19,40 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from support import TESTS
+from support import slurm_conf
 
 from pbt.config.sections.campaign import SlurmConfig
 from pbt.controller.report import status_text
 from pbt.controller.store import CampaignStore
-from pbt.launch.local import TaskSpec
+from pbt.launch.local import LocalLauncher, TaskSpec
 from pbt.launch.processes import JOB_CANCEL_WAIT_S
-from pbt.launch.slurm import SlurmLauncher, SlurmQueue, read_job
+from pbt.launch.slurm import SlurmBackend, SlurmQueue, read_job
 from pbt.protocol.files import read_json, write_json_atomic
 from pbt.protocol.messages import TASK_FILE, TaskMessage
 from tests.support import TINY_CAMPAIGN
 
 pytestmark = pytest.mark.integration
 
-REQUIRED = os.environ.get("PBT_REQUIRE_SLURM") == "1"
-CLUSTER_SCRIPT = TESTS / "slurm" / "cluster.sh"
 PBT = [sys.executable, "-m", "pbt.cli"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """SLURM_CONF pointing at a test cluster for this module, restored afterwards."""
-    conf, private = os.environ.get("PBT_TEST_SLURM_CONF"), None
-    if not conf:
-        why = _cannot_start()
-        if why:
-            if REQUIRED:
-                pytest.fail(f"PBT_REQUIRE_SLURM=1 but no test cluster: {why}")
-            pytest.skip(f"no Slurm test cluster: {why}")
-        private = tmp_path_factory.mktemp("slurm")
-        up = subprocess.run(
-            ["bash", str(CLUSTER_SCRIPT), "up", str(private)], capture_output=True, text=True
-        )
-        if up.returncode != 0:
-            if REQUIRED:
-                pytest.fail(f"the Slurm test cluster did not come up: {up.stderr}")
-            pytest.skip(f"the Slurm test cluster did not come up: {up.stderr.strip()}")
-        conf = str(private / "slurm.conf")
-    before = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    try:
+def cluster(slurm_cluster_conf: str) -> Iterator[str]:
+    """SLURM_CONF pointing at the session's test cluster for this module, restored afterwards
+    (every job of the module cancelled)."""
+    with slurm_conf(slurm_cluster_conf) as conf:
         yield conf
-    finally:
-        _cancel_everything()
-        if private is not None:
-            subprocess.run(["bash", str(CLUSTER_SCRIPT), "down", str(private)], check=False)
-        if before is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = before
-
-
-def _cannot_start() -> str:
-    if sys.platform != "linux":
-        return "Slurm's daemons run on Linux"
-    installed = shutil.which("slurmctld") and shutil.which("sbatch")
-    if not installed and (os.geteuid() != 0 or not shutil.which("apt-get")):
-        return "Slurm is not installed, and without root and apt-get it cannot be"
-    if os.geteuid() != 0:
-        return "a private test cluster needs root (set PBT_TEST_SLURM_CONF to a test cluster)"
-    return ""
-
-
-def _cancel_everything() -> None:
-    subprocess.run(["scancel", "--me"], capture_output=True, check=False)
 
 
 def _wait(condition, timeout: float, what: str, poll: float = 0.2):
@@ -133,13 +92,13 @@ FAKE_MEMBER = textwrap.dedent(
 )
 
 
-def _launcher(tmp: Path, slots: int = 2, **slurm) -> SlurmLauncher:
+def _launcher(tmp: Path, slots: int = 2, **slurm) -> LocalLauncher:
     program = tmp / "fake_member.py"
     program.write_text(FAKE_MEMBER)
     config = SlurmConfig(time=slurm.pop("time", "00:05:00"), poll_s=0.3, **slurm)
-    return SlurmLauncher(
-        [sys.executable, str(program)], slurm=config, name="pbt-test", slots=slots,
-        heartbeat_timeout_s=60,
+    return LocalLauncher(
+        [sys.executable, str(program)], backend=SlurmBackend(config, name="pbt-test"),
+        slots=slots, heartbeat_timeout_s=60,
     )  # fmt: skip
 
 

@@ -95,7 +95,7 @@ def test_the_placement_reaches_the_launchers_slots_and_every_members_environment
     job = build_launcher(slurm, tmp_path, ["true"], {}, HandAhead(), p)
     assert job.gpus_per_member == 4  # the job asks Slurm for the trainer's and the engines'
     script = batch_script(
-        job.slurm, name="pbt-x", command=["x"], nproc=2, gpus_per_member=job.gpus_per_member,
+        job.backend.config, name="pbt-x", command=["x"], nproc=2, gpus_per_member=job.gpus_per_member,
         log_path=tmp_path / "log", workdir=tmp_path, env=job.env,
     )  # fmt: skip
     assert "#SBATCH --gpus-per-node=4" in script and f"{PLACEMENT_ENV}=dedicated:2" in script
@@ -106,7 +106,7 @@ def test_the_placement_reaches_the_launchers_slots_and_every_members_environment
     two = build_launcher(
         per_node, tmp_path, ["true"], {}, HandAhead(), placement_for(per_node, "sync")
     )
-    assert (two.gpus_per_member, two.slurm.gpus_per_node) == (4, 2)  # each node: 1 + 1
+    assert (two.gpus_per_member, two.backend.config.gpus_per_node) == (4, 2)  # each node: 1 + 1
 
 
 def test_a_campaign_that_cannot_place_its_engines_is_refused_before_its_folder_exists(
