@@ -18,7 +18,8 @@ autocast over a bf16 base as a member runs by default; every row runs to ``--tok
   the batch would reach if every row had one adapter (the bound the batched modes approach).
 
 ``--train`` adds a train step's forward and backward (the completion log-probs of
-``--completion`` tokens a row, the lean log-prob path): the members in turn in the adapter
+``--completion`` tokens a row, the lean log-prob path, ``--micro`` rows of a member at a
+time, as a train step takes them): the members in turn in the adapter
 slot, against all rows in one pass with per-row adapters, as ``launch.batched_train`` runs it
 (:func:`~pbt.algorithms.runtime.population_train.logprobs_together`: one forward, each
 member's log-probs at its own temperature, one backward of their sum); its rows' ratios are to
@@ -207,25 +208,32 @@ def _train_modes(model, adapters, slot, weights, ids, mask, segments, args) -> d
     )
     model.train()
 
+    micro = args.micro or max(s.stop - s.start for s in segments)
+    chunks = [  # each member's rows, a micro-batch at a time (as a train step takes them)
+        [slice(a, min(a + micro, s.stop)) for a in range(s.start, s.stop, micro)] for s in segments
+    ]
+
     def one_at_a_time():
-        for m, s in enumerate(segments):
+        for m, member_chunks in enumerate(chunks):
             with torch.no_grad():
                 for p, w in zip(slot, weights[m], strict=True):
                     p.copy_(w)
-            rows = batch.select(slice(s.start, s.stop))
-            sequence_logprobs(model, rows, 1.0 + 0.1 * m).sum().backward()
+            for rows in member_chunks:
+                sequence_logprobs(model, batch.select(rows), 1.0 + 0.1 * m).sum().backward()
 
-    # what launch.batched_train runs: each member's rows a log-prob request at its own
-    # temperature, all answered by one forward, their losses' sum by one backward
-    asks = {
-        m: LogProbs(batch.select(slice(s.start, s.stop)), 1.0 + 0.1 * m, grad=True)
-        for m, s in enumerate(segments)
-    }
+    # what launch.batched_train runs: each member's micro-batch a log-prob request at its own
+    # temperature, all members' answered by one forward, their losses' sum by one backward
     slots = {m: s.slot for m, s in enumerate(segments)}
 
     def one_pass():
-        logp = logprobs_together(model, adapters, slots, asks)
-        torch.stack([v.sum() for v in logp.values()]).sum().backward()
+        for c in range(max(len(x) for x in chunks)):
+            asks = {
+                m: LogProbs(batch.select(x[c]), 1.0 + 0.1 * m, grad=True)
+                for m, x in enumerate(chunks)
+                if c < len(x)
+            }
+            logp = logprobs_together(model, adapters, {m: slots[m] for m in asks}, asks)
+            torch.stack([v.sum() for v in logp.values()]).sum().backward()
 
     out = {}
     tokens = rows * args.completion
@@ -291,6 +299,10 @@ def main() -> None:
         help="also time a train step's forward and backward, one at a time against one pass",
     )  # fmt: skip
     parser.add_argument("--completion", type=int, default=64, help="tokens a row, --train")
+    parser.add_argument(
+        "--micro", type=int, default=8,
+        help="rows a member's micro-batch, --train (0: all its rows at once)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import torch

@@ -7,7 +7,7 @@ with ``--batched``, also every member in one process whose rollouts are one batc
     python bench/population_fill.py --shape 0.5b --device cuda --members 8 --steps 20 \\
         --engine static --at-once 1 2 4 8
     python bench/population_fill.py --shape 0.5b --device cuda --members 8 --steps 8 \\
-        --engine static --at-once 1 8 --mps --batched
+        --engine static --at-once 1 8 --mps --batched --worker-batch
 
 For each ``--at-once`` k: ``--generations`` generations (default 2) of ``--members`` member tasks
 through the campaign's own launcher, k long-lived workers on one GPU (one slot each); from the
@@ -24,6 +24,11 @@ member's prompts in ONE batch, each row through its own member's adapter, then e
 scores and learns from its own rows (:class:`pbt.Population`'s ``get_actions``, ``reward``,
 ``learn``). A first round of ``--steps`` steps warms up (graphs captured); the second is
 measured. Its tokens are counted as the workers' are.
+
+``--worker-batch``: the same members through the campaign's own launcher on ONE long-lived
+worker that takes them all at once (``launch.members_per_batch`` = ``--members``): their
+rollouts in one batch, each member learning in turn; then again with ``launch.batched_train``
+(every member's update in one forward and one backward a micro-batch).
 """
 
 from __future__ import annotations
@@ -106,14 +111,16 @@ def main() -> None:
         help="also run every member in one process, their rollouts in one batch",
     )
     parser.add_argument(
+        "--worker-batch", action="store_true",
+        help="also run every member on one long-lived worker of a campaign "
+        "(launch.members_per_batch), with and without launch.batched_train",
+    )  # fmt: skip
+    parser.add_argument(
         "--mps", action="store_true",
         help="run the workers under a private CUDA MPS daemon (kernels of different processes "
         "then run side by side instead of time-sliced)",
     )  # fmt: skip
     args = parser.parse_args()
-
-    from pbt.launch.local import member_command
-    from pbt.launch.persistent import PersistentLauncher
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -131,49 +138,16 @@ def main() -> None:
             "task": {"name": "builtin:letters", "eval_size": 32},
             "training": {"device": args.device, "steps": 2 * args.steps, "seed": 0},
         }
-        gpus = 1 if args.device == "cuda" else 0
-        rows = []
-        for k in args.at_once:
-            campaign = root / f"at-once-{k}"
-            threads = max(1, (os.cpu_count() or 1) // k)
-            launcher = PersistentLauncher(
-                member_command(), campaign / "workers", slots=k, gpus_per_member=gpus,
-                gpu_ids=[args.gpu] if gpus else None, members_per_gpu=k if gpus else 1,
-                heartbeat_timeout_s=900.0, env={"OMP_NUM_THREADS": str(threads), **mps_env},
-            )  # fmt: skip
-            digests: dict[str, str] = {}
-            try:
-                for generation in range(args.generations):
-                    tasks = write_tasks(
-                        root, campaign, manifest, generation, args.members, args.steps, digests, LR
-                    )  # fmt: skip
-                    last = generation == args.generations - 1
-                    sampler = _GpuSampler(args.gpu) if last and gpus else None
-                    start = time.perf_counter()
-                    outcomes = launcher.run(tasks)
-                    wall = time.perf_counter() - start
-                    busy, used = sampler.stop() if sampler else (None, None)
-                    for o in outcomes:
-                        if o.status != "ok":
-                            raise SystemExit(f"{k} at once: {o.task_id} {o.detail}")
-                        digests[o.task_id] = o.result.digest
-                    tokens = sum(
-                        h["completion_length"] * group * prompts
-                        for o in outcomes
-                        for h in o.result.history
-                    )
-                    peaks = [o.result.peak_memory_gib for o in outcomes]
-                    fitness = [round(o.result.fitness, 4) for o in outcomes]
-                    print(
-                        f"{k} at once, generation {generation}: wall {wall:.1f} s, "
-                        f"{tokens / wall:,.0f} tok/s, fitness {fitness}",
-                        flush=True,
-                    )
-                if last:
-                    peak = max((p for p in peaks if p is not None), default=None)
-                    rows.append((k, wall, tokens / wall, busy, used, peak, fitness))
-            finally:
-                launcher.close()
+        rows = [
+            _campaign(root, args, manifest, k, k, 1, mps_env, f"{k} at once") for k in args.at_once
+        ]
+        for train in (False, True) if args.worker_batch else ():
+            batched = {
+                **manifest,
+                "launch": {"members_per_batch": args.members, "batched_train": train},
+            }
+            label = f"{args.members} in one worker" + (", batched_train" if train else "")
+            rows.append(_campaign(root, args, batched, 1, 1, args.members, mps_env, label))
         if args.batched:
             rows.append(_batched(manifest, args, root, group * prompts))
         if mps_env:
@@ -186,11 +160,11 @@ def main() -> None:
         f"last of {args.generations} generations{'; under CUDA MPS' if args.mps else ''}\n"
     )
     print(
-        "| members at once | wall s | population tok/s | vs one at a time | GPU busy | "
+        "| members | wall s | population tok/s | vs one at a time | GPU busy | "
         "GPU memory in use | a member's peak |"
     )
     print("|---|---|---|---|---|---|---|")
-    base = next((r[2] for r in rows if r[0] == 1), rows[0][2])
+    base = next((r[2] for r in rows if r[0] == "1 at once"), rows[0][2])
     for k, wall, rate, busy, used, peak, _ in rows:
         print(
             f"| {k} | {wall:.1f} | {rate:,.0f} | **{rate / base:.2f}x** | "
@@ -200,8 +174,66 @@ def main() -> None:
         )
     if args.batched:
         print(f"\n`{args.members} in one batch`: one process, members_per_batch {args.members}")
-    same = len({tuple(r[6]) for r in rows if isinstance(r[0], int)}) == 1
+    exact = [r for r in rows if "one batch" not in r[0] and "batched_train" not in r[0]]
+    same = len({tuple(r[6]) for r in exact}) == 1
     print(f"\nsame fitness for every member whatever runs at once: {same}")
+    if args.worker_batch:  # within float32 ulps, not bit for bit (population_train's doc)
+        print(f"fitness with batched_train: {rows[-1][6]}")
+
+
+def _campaign(
+    root: Path,
+    args,
+    manifest: dict,
+    slots: int,
+    per_gpu: int,
+    batch: int,
+    mps_env: dict,
+    label: str,
+) -> tuple:
+    """``--generations`` generations of the members through long-lived workers: ``slots`` of
+    them on the GPU, each taking ``batch`` members at a time; the last generation's row."""
+    from pbt.launch.local import member_command
+    from pbt.launch.persistent import PersistentLauncher
+
+    gpus = 1 if args.device == "cuda" else 0
+    group = manifest["algorithm"]["group_size"] * manifest["algorithm"]["prompts_per_step"]
+    campaign = root / label.replace(" ", "-").replace(",", "")
+    threads = max(1, (os.cpu_count() or 1) // slots)
+    launcher = PersistentLauncher(
+        member_command(), campaign / "workers", slots=slots, gpus_per_member=gpus,
+        gpu_ids=[args.gpu] if gpus else None, members_per_gpu=per_gpu if gpus else 1,
+        heartbeat_timeout_s=900.0, env={"OMP_NUM_THREADS": str(threads), **mps_env},
+        members_per_batch=batch,
+    )  # fmt: skip
+    digests: dict[str, str] = {}
+    try:
+        for generation in range(args.generations):
+            tasks = write_tasks(
+                root, campaign, manifest, generation, args.members, args.steps, digests, LR
+            )
+            last = generation == args.generations - 1
+            sampler = _GpuSampler(args.gpu) if last and gpus else None
+            start = time.perf_counter()
+            outcomes = launcher.run(tasks)
+            wall = time.perf_counter() - start
+            busy, used = sampler.stop() if sampler else (None, None)
+            for o in outcomes:
+                if o.status != "ok":
+                    raise SystemExit(f"{label}: {o.task_id} {o.detail}")
+                digests[o.task_id] = o.result.digest
+            tokens = sum(h["completion_length"] * group for o in outcomes for h in o.result.history)
+            peaks = [o.result.peak_memory_gib for o in outcomes]
+            fitness = [round(o.result.fitness, 4) for o in outcomes]
+            print(
+                f"{label}, generation {generation}: wall {wall:.1f} s, "
+                f"{tokens / wall:,.0f} tok/s, fitness {fitness}",
+                flush=True,
+            )
+    finally:
+        launcher.close()
+    peak = max((p for p in peaks if p is not None), default=None)
+    return (label, wall, tokens / wall, busy, used, peak, fitness)
 
 
 def _batched(manifest: dict, args, root: Path, rows_per_step: int) -> tuple:
