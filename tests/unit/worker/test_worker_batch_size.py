@@ -1,0 +1,48 @@
+"""How many members a long-lived worker trains together (``launch.members_per_batch``): only
+where one process samples for all of them in one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pbt.protocol.messages import TaskMessage
+from pbt.worker.batch import batch_size
+
+TASK = TaskMessage(
+    campaign_dir="/runs/c",
+    manifest={},
+    manifest_base_dir="/runs",
+    member_id="g000-m00",
+    generation=0,
+    parent_id=None,
+    parent_checkpoint=None,
+    parent_digest=None,
+    hyperparameters={},
+    mutation=None,
+    steps=2,
+    checkpoint="checkpoints/g000-m00",
+)
+
+
+def _task(launch: dict, rollout: dict | None = None) -> TaskMessage:
+    manifest = {"launch": {"members_per_batch": 4, **launch}, "rollout": rollout or {}}
+    return dataclasses.replace(TASK, manifest=manifest)
+
+
+@pytest.mark.parametrize(
+    ("launch", "rollout", "world_size", "expected"),
+    [
+        ({}, None, 1, 4),
+        ({}, None, 2, 1),  # several ranks: each rank's rows are its own
+        ({"members_per_batch": 1}, None, 1, 1),
+        ({"rollout_gpus_per_member": "auto"}, None, 1, 4),  # auto with sync rollouts: no engine
+        ({"rollout_gpus_per_member": "auto"}, {"mode": "async", "max_staleness": 1}, 1, 1),
+        ({"rollout_gpus_per_member": 1}, {"mode": "async", "max_staleness": 1}, 1, 1),
+    ],
+)
+def test_a_worker_batches_members_only_where_one_process_samples_for_them(
+    launch: dict, rollout: dict | None, world_size: int, expected: int
+) -> None:
+    assert batch_size(_task(launch, rollout), world_size) == expected
