@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ import yaml
 from pbt.config import Manifest
 from pbt.config.read.loader import manifest_from_dict
 from pbt.controller.store import CampaignStore
+from pbt.protocol.messages import TaskMessage
 
 TESTS = Path(__file__).resolve().parent
 """The tests folder: shared helpers, ``drivers/`` and ``fixtures/`` live here."""
@@ -333,6 +335,40 @@ def vllm_env(tmp_path: Path) -> dict[str, str]:
         "TMPDIR": str(tmp_path / "tmp"),
         "OMP_NUM_THREADS": "1",
     }
+
+
+def vllm_driver_report(driver: str, folder: Path, timeout: float) -> dict:
+    """The JSON report a vLLM driver (``tests/drivers/<driver>``) writes into ``folder``, run in
+    a process of its own with vLLM's caches in ``folder``; its output shown if it fails."""
+    out = folder / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(DRIVERS / driver), str(out)],
+        env=vllm_env(folder),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def task_message(**fields) -> TaskMessage:
+    """A small valid task message (generation 0, no parent), with ``fields`` changed."""
+    base = TaskMessage(
+        campaign_dir="/runs/c",
+        manifest={"training": {"seed": 3}},
+        manifest_base_dir="/runs",
+        member_id="g000-m00",
+        generation=0,
+        parent_id=None,
+        parent_checkpoint=None,
+        parent_digest=None,
+        hyperparameters={"lr": 3e-4},
+        mutation=None,
+        steps=2,
+        checkpoint="checkpoints/g000-m00",
+    )
+    return dataclasses.replace(base, **fields)
 
 
 SLURM_REQUIRED = os.environ.get("PBT_REQUIRE_SLURM") == "1"

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from support import (
     needs_vllm,
     run_torchrun,
     small_sections,
+    vllm_driver_report,
     vllm_env,
 )
 
@@ -46,16 +45,7 @@ def test_vllm_is_installed_where_required():
 def engine_report(tmp_path_factory):
     """One driver run: every single-process check of the engine, as JSON."""
     folder = tmp_path_factory.mktemp("vllm")
-    out = folder / "report.json"
-    proc = subprocess.run(
-        [sys.executable, str(DRIVERS / "vllm_driver.py"), str(out)],
-        env=vllm_env(folder),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return vllm_driver_report("vllm_driver.py", folder, timeout=900)
 
 
 @needs_vllm

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import DRIVERS, REPO, needs_vllm, vllm_env
+from support import REPO, needs_vllm, vllm_driver_report, vllm_env
 
 LOGPROB_TOLERANCE = 1e-4
 
@@ -22,16 +22,7 @@ LOGPROB_TOLERANCE = 1e-4
 def report(tmp_path_factory) -> dict:
     """One driver run (one engine) for every check of the episodes."""
     folder = tmp_path_factory.mktemp("vllm-multiturn")
-    out = folder / "report.json"
-    proc = subprocess.run(
-        [sys.executable, str(DRIVERS / "vllm_multiturn_driver.py"), str(out)],
-        env=vllm_env(folder),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return vllm_driver_report("vllm_multiturn_driver.py", folder, timeout=600)
 
 
 @needs_vllm

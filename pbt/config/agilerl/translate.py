@@ -194,13 +194,19 @@ def _lag_in_optimizer_steps(out: Translation) -> None:
 
 
 def _replay_buffer(out: Translation, block: dict[str, Any]) -> None:
+    _keys(out, "replay_buffer", block, REPLAY_BUFFER_RULES)
+
+
+def _keys(out: Translation, section: str, block: dict[str, Any], rules: dict) -> None:
+    """Each key of ``section`` by its rule (keys in any case); an unknown key named with the
+    section's known ones."""
     for key, value in block.items():
-        rule = REPLAY_BUFFER_RULES.get(str(key).upper())
+        rule = rules.get(str(key).upper())
         if rule is None:
-            known = ", ".join(k.lower() for k in REPLAY_BUFFER_RULES)
-            out.problems.append(f"replay_buffer.{key} is not a known key; known: {known}")
+            known = ", ".join(k.lower() for k in rules)
+            out.problems.append(f"{section}.{key} is not a known key; known: {known}")
             continue
-        out.apply(rule, f"replay_buffer.{key}", value)
+        out.apply(rule, f"{section}.{key}", value)
 
 
 def _algorithm(out: Translation, block: dict[str, Any]) -> None:
@@ -216,13 +222,7 @@ def _algorithm(out: Translation, block: dict[str, Any]) -> None:
 
 
 def _training(out: Translation, block: dict[str, Any]) -> None:
-    for key, value in block.items():
-        rule = TRAINING_RULES.get(str(key).upper())
-        if rule is None:
-            known = ", ".join(k.lower() for k in TRAINING_RULES)
-            out.problems.append(f"training.{key} is not a known key; known: {known}")
-            continue
-        out.apply(rule, f"training.{key}", value)
+    _keys(out, "training", block, TRAINING_RULES)
     batch, gpus = block.get("rollout_batch_size"), block.get("training_gpus_per_agent", 1)
     if isinstance(batch, int) and isinstance(gpus, int) and gpus >= 1 and batch % gpus:
         out.problems.append(

@@ -3,32 +3,16 @@ where one process samples for all of them in one batch."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from support import task_message
 
 from pbt.protocol.messages import TaskMessage
 from pbt.worker.batch import batch_size
 
-TASK = TaskMessage(
-    campaign_dir="/runs/c",
-    manifest={},
-    manifest_base_dir="/runs",
-    member_id="g000-m00",
-    generation=0,
-    parent_id=None,
-    parent_checkpoint=None,
-    parent_digest=None,
-    hyperparameters={},
-    mutation=None,
-    steps=2,
-    checkpoint="checkpoints/g000-m00",
-)
-
 
 def _task(launch: dict, rollout: dict | None = None) -> TaskMessage:
     manifest = {"launch": {"members_per_batch": 4, **launch}, "rollout": rollout or {}}
-    return dataclasses.replace(TASK, manifest=manifest)
+    return task_message(manifest=manifest)
 
 
 @pytest.mark.parametrize(

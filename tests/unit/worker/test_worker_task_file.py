@@ -9,24 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import task_message
 
-from pbt.protocol.messages import TASK_FILE, TaskMessage
+from pbt.protocol.messages import TASK_FILE
 from pbt.worker.task import read_task
 
-TASK = TaskMessage(
-    campaign_dir="/runs/c",
-    manifest={"training": {"seed": 3}},
-    manifest_base_dir="/runs",
-    member_id="g000-m00",
-    generation=0,
-    parent_id=None,
-    parent_checkpoint=None,
-    parent_digest=None,
-    hyperparameters={"lr": 3e-4},
-    mutation=None,
-    steps=2,
-    checkpoint="checkpoints/g000-m00",
-)
+TASK = task_message()
 
 
 def test_a_valid_task_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
