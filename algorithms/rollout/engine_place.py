@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pbt.config import Manifest
+from pbt.config.sections.rollout import engine_count
 from pbt.protocol.engines import EnginePlacement, EngineStatus, write_status
 
 
@@ -31,8 +32,7 @@ def engine_placement(manifest: Manifest, device: torch.device) -> EnginePlacemen
     given = EnginePlacement.from_env()
     if given is not None:
         return given
-    if engines == "auto":
-        engines = manifest.launch.ranks if manifest.rollout.mode == "async" else 0
+    engines = engine_count(engines, manifest.launch.ranks, manifest.rollout.mode)
     if engines == 0:
         return EnginePlacement("colocated", 0)
     return EnginePlacement("cpu" if device.type == "cpu" else "shared", engines)

@@ -273,7 +273,7 @@ def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperatur
     """The output layer's forward swapped, for one call, for the chunked log-prob reduction:
     its result leaves the root module as ``logits`` (``[N, C]``), so under FSDP2 the layer's
     weight is gathered around it in the forward and again before the backward reaches it."""
-    input_ids, attention, positions = model_inputs(batch)
+    inputs = model_inputs(batch)
     targets = batch.completion_ids
     length = targets.shape[1]
 
@@ -284,13 +284,21 @@ def _lean_logprobs(model, head: torch.nn.Linear, batch: RolloutBatch, temperatur
             hidden[:, :-1], head.weight, head.bias, targets, temperature, fused=fused
         )
 
+    return with_head_forward(model, head, forward, inputs, length + 1)
+
+
+def with_head_forward(model, head: torch.nn.Linear, forward, inputs: tuple, keep: int) -> Tensor:
+    """One call of ``model`` on ``inputs`` (ids, attention mask, positions) with its output
+    layer's forward swapped for ``forward`` over the last ``keep`` positions' hidden states;
+    what ``forward`` returns, as the output's ``logits``."""
+    input_ids, attention, positions = inputs
     head.forward = forward
     try:
         out = model(
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
-            logits_to_keep=length + 1,
+            logits_to_keep=keep,
         )
     finally:
         del head.forward  # the class's forward again

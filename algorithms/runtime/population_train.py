@@ -40,6 +40,7 @@ from pbt.algorithms.rollout.hf import (
     model_inputs,
     plain_output_layer,
     trim_padding,
+    with_head_forward,
 )
 from pbt.algorithms.runtime.lora_batch import RowAdapters, Segment, lora_layers, segments_of
 from pbt.algorithms.runtime.member import Member, StepCallback
@@ -258,7 +259,7 @@ def logprobs_together(
         Segment(s.start, s.stop, slots[m]) for s, m in zip(segments_of(sizes), asks, strict=True)
     )
     head = plain_output_layer(model)
-    input_ids, attention, positions = model_inputs(combined)
+    inputs = model_inputs(combined)
     width = combined.completion_ids.shape[1]
     parts: dict[str, Tensor] = {}
 
@@ -274,17 +275,8 @@ def logprobs_together(
         return hidden[:, :0, 0]  # the log-probs leave through ``parts``
 
     rows_in = model.disable_adapter() if first.reference else adapters.rows(segments)
-    head.forward = forward
-    try:
-        with torch.set_grad_enabled(first.grad), mixed_precision(model), rows_in:
-            model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                logits_to_keep=width + 1,
-            )
-    finally:
-        del head.forward  # the class's forward again
+    with torch.set_grad_enabled(first.grad), mixed_precision(model), rows_in:
+        with_head_forward(model, head, forward, inputs, width + 1)
     return {
         member_id: torch.nn.functional.pad(parts[member_id], (0, right))
         if right

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from pbt.config.errors import PbtError
 from pbt.config.sections.campaign import LaunchConfig
+from pbt.config.sections.rollout import engine_count
 from pbt.protocol.engines import PLACEMENT_ENV, EnginePlacement
 
 
@@ -141,8 +142,7 @@ def plan_placement(
     Raises:
         PlacementError: the engines fit neither on GPUs of their own nor beside the trainers.
     """
-    if engines == "auto":
-        engines = ranks if mode == "async" else 0
+    engines = engine_count(engines, ranks, mode)
     if engines == 0:
         return COLOCATED
     if not gpus_per_member:
@@ -203,8 +203,7 @@ def slurm_placement(
 ) -> Placement:
     """On Slurm each member job asks for its engines' GPUs beside its trainers' (``auto``:
     one per trainer rank with async rollouts); Slurm lists them in that order."""
-    if engines == "auto":
-        engines = ranks if mode == "async" else 0
+    engines = engine_count(engines, ranks, mode)
     if engines == 0:
         return COLOCATED
     if not gpus_per_member:

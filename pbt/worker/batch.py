@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pbt.config.sections.fsdp import FSDPConfig
+from pbt.config.sections.rollout import engine_count
 from pbt.protocol.files import Heartbeat, read_json
 from pbt.protocol.messages import ResultMessage, TaskMessage
 from pbt.protocol.paths import inside
@@ -51,12 +52,12 @@ def batch_size(task: TaskMessage, world_size: int) -> int:
     """How many tasks a worker runs together with ``task``: its manifest's
     ``launch.members_per_batch`` on one rank with an in-process engine, unsharded; else 1."""
     manifest = _manifest(task)
-    k = manifest.launch.members_per_batch
+    launch = manifest.launch
+    k = launch.members_per_batch
     sharded = FSDPConfig.from_value(manifest.distributed.fsdp) is not None
-    engines = manifest.launch.rollout_gpus_per_member  # a count, or "auto": engines with async
-    dedicated = manifest.rollout.mode == "async" if engines == "auto" else engines > 0
+    engines = engine_count(launch.rollout_gpus_per_member, launch.ranks, manifest.rollout.mode)
     in_process = manifest.rollout.engine in ("hf", "static")
-    return k if k > 1 and world_size == 1 and in_process and not sharded and not dedicated else 1
+    return k if k > 1 and world_size == 1 and in_process and not sharded and not engines else 1
 
 
 def gather(folder: Path, number: int, first: TaskMessage, size: int) -> list[dict[str, Any]]:

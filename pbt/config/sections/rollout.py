@@ -161,6 +161,14 @@ DEDICATED_ENGINES = ("hf", "static")
 """Engines a dedicated rollout process can run (vLLM is colocated, one per training process)."""
 
 
+def engine_count(engines: int | str, ranks: int, mode: str) -> int:
+    """A member's dedicated rollout engines: ``launch.rollout_gpus_per_member`` (a count, or
+    ``"auto"``: one per trainer rank with ``rollout.mode: async``, none with sync)."""
+    if engines == "auto":
+        return ranks if mode == "async" else 0
+    return int(engines)
+
+
 def dedicated_problems(manifest) -> list[str]:
     """Dedicated engines and asynchronous rollouts against the rest of a manifest: what the
     member trains, which engine samples, and the ranks it runs on."""
