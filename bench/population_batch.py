@@ -44,16 +44,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_step import SHAPES
+from shapes import pick
 
-SHAPES = {
-    **SHAPES,
-    "smollm2-shape": {  # SmolLM2-135M-Instruct's sizes (a tied Llama there; an untied Qwen2 here)
-        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
-        "head_dim": 64,
-    },
-}  # fmt: skip
+SHAPES = pick("wide", "0.5b", "1.5b", "smollm2-shape")
 
 
 def _load(name: str, device, dtype: str, tmp: Path):

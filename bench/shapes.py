@@ -57,6 +57,17 @@ QWEN2: dict[str, dict[str, Any]] = {
         num_attention_heads=12,
         head_dim=128,
     ),
+    # SmolLM2-135M-Instruct's sizes (a tied Llama there; an untied Qwen2 here): its throughput
+    # without fetching it
+    "smollm2-shape": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        head_dim=64,
+    ),
     # Qwen2.5-7B's published config.json: untied output layer, 152,064-token vocabulary
     "7b": dict(
         vocab_size=152064,

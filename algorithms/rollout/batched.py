@@ -97,6 +97,7 @@ def generate_batched(
     )
     if len(segments) != len(members):
         raise ValueError("every member of a batched rollout needs at least one question")
+    kernel = adapters.kernel(segments, kernel)  # the decoder's graphs are kept by kernel
     with adapters.rows(segments, kernel):
         if cfg.engine == "static":
             decoder = batched_decoder_for(model, tokenizer, cfg)

@@ -29,7 +29,9 @@ The ``stacked`` kernel is the other candidate for decoding on a GPU: all members
 one ``[M r, in]`` matrix, a per-row mask that keeps only the row's own member's ``r``
 columns, and all ``B`` as one ``[out, M r]`` matrix: two matmuls per layer whatever ``M``,
 but a different summation order than the solo forward (equal within floating-point
-tolerance), so the exactness tests use ``segmented``.
+tolerance), so the exactness tests use ``segmented``. One member's non-finite adapter would
+reach every row through the shared products (``0 x NaN`` is NaN), so a batch that holds one
+runs ``segmented``, where a member's fault stays its own rows' (:meth:`RowAdapters.kernel`).
 
 Adapters live in :class:`RowAdapters`: per LoRA layer one ``[M, r, in]`` and one
 ``[M, out, r]`` tensor, member ``m``'s at index ``m`` (a contiguous view, so a segment's
@@ -48,6 +50,15 @@ from torch import Tensor
 
 KERNELS = ("segmented", "stacked")
 """The per-row LoRA kernels: see the module's docstring."""
+
+
+def kernel_for(setting: str, device: torch.device) -> str:
+    """The kernel ``launch.lora_kernel`` names on ``device``: ``auto`` is ``stacked`` on a GPU
+    (two matrix products a layer: 2.2x the segmented decode of 8 members on an H200), and
+    ``segmented`` elsewhere (exact, and on a CPU the loop costs little)."""
+    if setting == "auto":
+        return "stacked" if device.type == "cuda" else "segmented"
+    return setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +110,10 @@ class RowAdapters:
             a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
             self.a.append(a.new_zeros((slots, *a.shape)).requires_grad_(False))
             self.b.append(b.new_zeros((slots, *b.shape)).requires_grad_(False))
-        self._stacked: dict[tuple, Tensor] = {}
+        self.finite = [True] * slots
+        """Whether each slot's adapter is finite (checked as it is loaded)."""
+        self._kept: dict[tuple, Tensor] = {}
+        self._masks = self._kept
 
     def load_from_model(self, slot: int) -> None:
         """Copy the adapter now in the model's slot into ``slot``."""
@@ -107,6 +121,7 @@ class RowAdapters:
             for i, (_, layer) in enumerate(self.layers):
                 self.a[i][slot].copy_(layer.lora_A["default"].weight)
                 self.b[i][slot].copy_(layer.lora_B["default"].weight)
+        self._check(slot)
 
     def load(self, slot: int, named: dict[str, Tensor]) -> None:
         """Copy an adapter given by the model's parameter names (``...lora_A.default.weight``)
@@ -115,6 +130,19 @@ class RowAdapters:
             for i, (name, _) in enumerate(self.layers):
                 self.a[i][slot].copy_(named[f"{name}.lora_A.default.weight"])
                 self.b[i][slot].copy_(named[f"{name}.lora_B.default.weight"])
+        self._check(slot)
+
+    def _check(self, slot: int) -> None:
+        """Record whether ``slot``'s adapter is finite (one fused norm a tensor, one sync)."""
+        norms = torch._foreach_norm([t[slot] for t in self.a + self.b])
+        self.finite[slot] = bool(torch.stack(norms).isfinite().all())
+
+    def kernel(self, segments: tuple[Segment, ...], kernel: str) -> str:
+        """The kernel a batch of ``segments`` runs: ``kernel``, but ``segmented`` where a
+        stacked batch would hold a non-finite adapter (it would reach every row)."""
+        if kernel == "stacked" and not all(self.finite[s.slot] for s in segments):
+            return "segmented"
+        return kernel
 
     def named_grads(self, slot: int) -> dict[str, Tensor]:
         """``slot``'s gradients by the model's parameter names (``...lora_A.default.weight``):
@@ -131,27 +159,34 @@ class RowAdapters:
     def _mask(self, segments: tuple[Segment, ...], rows: int, like: Tensor) -> Tensor:
         """``[rows, slots * r]``: 1 on each row's own slot's ``r`` columns (the stacked kernel)."""
         key = (segments, like.dtype, like.device)
-        mask = self._stacked.get(key)
+        mask = self._masks.get(key)
         if mask is None:
             r = self.a[0].shape[1]
             mask = torch.zeros((rows, self.slots * r), dtype=like.dtype, device=like.device)
             for s in segments:
                 mask[s.start : s.stop, s.slot * r : (s.slot + 1) * r] = 1
-            self._stacked[key] = mask
+            self._masks[key] = mask
         return mask
 
     @contextlib.contextmanager
-    def rows(self, segments: tuple[Segment, ...], kernel: str = "segmented") -> Iterator[None]:
+    def rows(
+        self, segments: tuple[Segment, ...], kernel: str = "segmented", keep_masks: bool = True
+    ) -> Iterator[None]:
         """Inside the block, the model's LoRA layers send each segment's rows through its
-        slot's adapter; the segments must cover every row of every forward."""
+        slot's adapter (by :meth:`kernel`); the segments must cover every row of every
+        forward. ``keep_masks``: keep the stacked kernel's row mask for this layout after the
+        block (a captured graph reads it); false for layouts that seldom repeat (training)."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+        kernel = self.kernel(segments, kernel)
         for i, (_, layer) in enumerate(self.layers):
             forward = _segmented if kernel == "segmented" else _stacked
             layer.forward = _bound(forward, self, i, layer, segments)
+        self._masks = self._kept if keep_masks else {}
         try:
             yield
         finally:
+            self._masks = self._kept
             for _, layer in self.layers:
                 del layer.forward  # the class's forward again
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from pbt.algorithms.data.examples import Chat
 from pbt.algorithms.rollout.batched import MemberRollout, generate_batched
 from pbt.algorithms.rollout.hf import RolloutBatch
-from pbt.algorithms.runtime.lora_batch import RowAdapters
+from pbt.algorithms.runtime.lora_batch import RowAdapters, kernel_for
 from pbt.algorithms.runtime.member import Host, Member
 from pbt.config import Manifest
 
@@ -95,7 +95,10 @@ def _one_batch(
         )
     host.model.eval()
     learner = shared.member(ids[0]).learner
-    batches = generate_batched(host.model, host.tokenizer, adapters, asks, learner.rollout_cfg)
+    kernel = kernel_for(shared.manifest.launch.lora_kernel, host.device)
+    batches = generate_batched(
+        host.model, host.tokenizer, adapters, asks, learner.rollout_cfg, kernel=kernel
+    )
     for member_id, ask in zip(ids, asks, strict=True):
         _store_stream(shared.rng_of(member_id), ask.generator, host.device)
     shared.restore_active()

@@ -42,7 +42,13 @@ from pbt.algorithms.rollout.hf import (
     trim_padding,
     with_head_forward,
 )
-from pbt.algorithms.runtime.lora_batch import RowAdapters, Segment, lora_layers, segments_of
+from pbt.algorithms.runtime.lora_batch import (
+    RowAdapters,
+    Segment,
+    kernel_for,
+    lora_layers,
+    segments_of,
+)
 from pbt.algorithms.runtime.member import Member, StepCallback
 from pbt.algorithms.runtime.models import mixed_precision
 from pbt.algorithms.runtime.population_batch import (
@@ -107,6 +113,42 @@ def train_together(
         if not live:
             break
     return out
+
+
+EVAL_ROWS = 64
+"""Held-out questions a member puts in each batched evaluation call, as ``evaluate`` takes
+them alone (``batch_size``)."""
+
+
+def evaluate_together(shared: SharedMembers, ids: Sequence[str], temperature: float) -> dict:
+    """Each member's held-out fitness (mean total reward on its task's eval split), their
+    greedy completions sampled together, :data:`EVAL_ROWS` questions a member a batch: what
+    :meth:`~pbt.algorithms.grpo.GRPO.evaluate` gives each alone. Sampled evaluations
+    (``temperature`` > 0), multi-turn tasks and anything not batchable evaluate in turn."""
+    members = {member_id: shared.member(member_id) for member_id in ids}
+    together = (
+        temperature == 0
+        and batchable(shared)
+        and all(m.learner.plain_step(m.task.reward) for m in members.values())
+    )
+    if not together:
+        out = {}
+        for member_id in ids:
+            member = shared.activate(member_id)
+            task = member.task
+            out[member_id] = member.learner.evaluate(task.eval, task.reward, temperature)
+        return out
+    totals = dict.fromkeys(ids, 0.0)
+    longest = max(len(m.task.eval) for m in members.values())
+    for start in range(0, longest, EVAL_ROWS):
+        chunks = {m: members[m].task.eval[start : start + EVAL_ROWS] for m in ids}
+        chunks = {m: chunk for m, chunk in chunks.items() if chunk}
+        questions = {m: [ex.chat for ex in chunk] for m, chunk in chunks.items()}
+        batches = complete_together(shared, questions, training=False)
+        for member_id, chunk in chunks.items():
+            reward = members[member_id].task.reward
+            totals[member_id] += float(reward(chunk, batches[member_id].texts)[0].sum())
+    return {m: totals[m] / max(len(members[m].task.eval), 1) for m in ids}
 
 
 def _alone(shared, member_id, member: Member, steps, on_step, say, trained: Trained) -> None:
@@ -221,11 +263,11 @@ def _answer(shared, adapters, slots, pending: dict[str, Request], results) -> di
             except Exception as err:
                 results[member_id] = err
     asks = {m: r for m, r in pending.items() if isinstance(r, LogProbs)}
+    kernel = kernel_for(shared.manifest.launch.lora_kernel, shared.host.device)
     for kind in ((False, True), (False, False), (True, False)):  # (grad, reference)
         group = {m: r for m, r in asks.items() if (r.grad, r.reference) == kind}
         if group:
-            logp = logprobs_together(shared.host.model, adapters, slots, group)
-            replies |= logp
+            replies |= logprobs_together(shared.host.model, adapters, slots, group, kernel)
     return replies
 
 
@@ -245,11 +287,16 @@ def _step(shared, adapters: RowAdapters, slot: int, member_id: str, request: Opt
 
 
 def logprobs_together(
-    model, adapters: RowAdapters, slots: dict[str, int], asks: dict[str, LogProbs]
+    model,
+    adapters: RowAdapters,
+    slots: dict[str, int],
+    asks: dict[str, LogProbs],
+    kernel: str = "segmented",
 ) -> dict[str, Tensor]:
     """Every ask's log-probs from ONE forward over all their rows, each member's rows through
-    its slot's adapter (or none, for the reference policy), each at its own temperature: for
-    each member, what :func:`~pbt.algorithms.rollout.hf.sequence_logprobs` gives it alone."""
+    its slot's adapter (or none, for the reference policy; ``kernel``: see
+    :mod:`~pbt.algorithms.runtime.lora_batch`), each at its own temperature: for each member,
+    what :func:`~pbt.algorithms.rollout.hf.sequence_logprobs` gives it alone."""
     first = next(iter(asks.values()))
     trimmed = {m: trim_padding(ask.rows) for m, ask in asks.items()}
     # the padding's ids are masked out: any id gives the real positions the same values
@@ -274,7 +321,11 @@ def logprobs_together(
             )
         return hidden[:, :0, 0]  # the log-probs leave through ``parts``
 
-    rows_in = model.disable_adapter() if first.reference else adapters.rows(segments)
+    rows_in = (
+        model.disable_adapter()
+        if first.reference
+        else adapters.rows(segments, kernel, keep_masks=False)
+    )
     with torch.set_grad_enabled(first.grad), mixed_precision(model), rows_in:
         with_head_forward(model, head, forward, inputs, width + 1)
     return {

@@ -8,7 +8,7 @@ hosts their members on its one base model
 would set it up (its parent loaded, THEN its hyperparameters applied; seeded), the members
 trained in lock step with their rollouts in one batch
 (:func:`~pbt.algorithms.runtime.population_train.train_together`), then each evaluated and
-snapshotted in turn. Each task ends as it would alone: its own result, checkpoint, heartbeat
+snapshotted (their greedy evaluations sampled together too). Each task ends as it would alone: its own result, checkpoint, heartbeat
 and log, so selection, the store, resume, the hand-ahead and the state caches see separate
 tasks. A member whose training fails (it diverged) fails its own task; the others of the batch
 finish and are written, and the worker then ends (exit 2), as it does after any failed task.
@@ -31,7 +31,7 @@ from pbt.protocol.paths import inside
 from pbt.protocol.progress import ProgressReport
 from pbt.protocol.records import member_seed
 from pbt.worker import cache
-from pbt.worker.task import _evaluate, _find_parent, _manifest, _prepare, _result
+from pbt.worker.task import _find_parent, _manifest, _prepare, _result
 
 GATHER_S = 0.5
 """How long a worker that took a task waits for the rest of its batch to be handed: the
@@ -124,14 +124,18 @@ def start_batch(
         loaded()
     trained = _train(shared, tasks, progress)
     marks.append(("train", time.perf_counter()))
+    fitness, seconds = _evaluate_all(
+        shared, [t.member_id for t in tasks if trained[t.member_id].error is None], progress
+    )
     out = []
     for task in tasks:
         got = trained[task.member_id]
         if got.error is not None:
             out.append(Ran(task, error=got.error))
             continue
+        evaluated = (fitness[task.member_id], seconds)
         out.append(
-            _finish(shared, task, got.history, parents[task.member_id], progress, marks, started)
+            _finish(shared, task, got.history, parents[task.member_id], evaluated, marks, started)
         )
     return out, host
 
@@ -156,21 +160,38 @@ def _train(shared, tasks: list[TaskMessage], progress: dict[str, ProgressReport]
     return train_together(shared, [t.member_id for t in tasks], tasks[0].steps, on_step, say)
 
 
-def _finish(shared, task, history, parent, progress, marks, started) -> Ran:
-    """Evaluate and snapshot one trained member of the batch; its result without a digest."""
+def _evaluate_all(shared, ids: list[str], progress: dict[str, ProgressReport]):
+    """The trained members' fitness, their evaluations sampled together
+    (:func:`~pbt.algorithms.runtime.population_train.evaluate_together`), each appended to its
+    member's history; and the seconds it took (the batch's, in each member's timings)."""
+    from pbt.algorithms.runtime.population_train import evaluate_together
+
+    begin = time.perf_counter()
+    for member_id in ids:
+        progress[member_id].phase("evaluating")
+    temperature = shared.manifest.training.eval_temperature
+    fitness = evaluate_together(shared, ids, temperature) if ids else {}
+    for member_id in ids:
+        shared.member(member_id).fitness.append(fitness[member_id])
+        progress[member_id].phase("saving")
+    return fitness, time.perf_counter() - begin
+
+
+def _finish(shared, task, history, parent, evaluated, marks, started) -> Ran:
+    """Snapshot one trained and evaluated member of the batch (``evaluated``: its fitness and
+    the batch's evaluation seconds); its result without a digest."""
     from pbt.distributed import world_info
 
     world = world_info()
     member = shared.activate(task.member_id)
+    fitness, evaluate_s = evaluated
     begin = time.perf_counter()
-    fitness = _evaluate(member, progress[task.member_id])
-    evaluated = time.perf_counter()
     checkpoint = inside(
         Path(task.campaign_dir), task.checkpoint, "checkpoints", "the task's checkpoint"
     )
     write = member.snapshot(checkpoint)
     timings = {name: end - start for (_, start), (name, end) in itertools.pairwise(marks)}
-    timings |= {"evaluate": evaluated - begin, "save": time.perf_counter() - evaluated}
+    timings |= {"evaluate": evaluate_s, "save": time.perf_counter() - begin}
     result = _result(task, member, fitness, history, parent, timings, world.world_size)
     if write is not None and world.world_size == 1:
         write.cache_as = task.checkpoint

@@ -152,10 +152,12 @@ def test_stacked_kernel_agrees(member):
     assert not torch.allclose(out["segmented"][:2], out["segmented"][3:5])
 
 
-def test_a_broken_member_stays_its_own(member):
+@pytest.mark.parametrize("kernel", ["segmented", "stacked"])
+def test_a_broken_member_stays_its_own(member, kernel):
     """A member whose adapter went non-finite (a diverged step) poisons only its own rows: the
     other members' logits in the same batch are finite and equal their solo forwards (within a
-    BLAS's rounding of a larger batch)."""
+    BLAS's rounding of a larger batch). Asked for ``stacked``, such a batch runs
+    ``segmented`` (in the shared products the NaN would reach every row)."""
     weights = [_adapter(member, seed) for seed in range(3)]
     weights[1] = {name: torch.full_like(t, float("nan")) for name, t in weights[1].items()}
     adapters = RowAdapters(member.learner.model, slots=3)
@@ -163,7 +165,10 @@ def test_a_broken_member_stays_its_own(member):
         adapters.load(slot, w)
     ids = torch.randint(3, 100, (6, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        with adapters.rows(segments_of([2, 2, 2])):
+        assert adapters.finite == [True, False, True]
+        assert adapters.kernel(segments_of([2, 2, 2]), kernel) == "segmented"
+        assert adapters.kernel(segments_of([2, 0, 2]), kernel) == kernel  # slot 1 not in it
+        with adapters.rows(segments_of([2, 2, 2]), kernel):
             together = member.learner.model(input_ids=ids).logits
         for slot, rows in ((0, slice(0, 2)), (2, slice(4, 6))):
             _load(member, weights[slot])

@@ -18,8 +18,10 @@ from support import small_manifest
 
 from pbt.algorithms.passes import LogProbs
 from pbt.algorithms.rollout.hf import sequence_logprobs
+from pbt.algorithms.runtime import population_train
 from pbt.algorithms.runtime.population_batch import row_adapters
 from pbt.algorithms.runtime.population_train import (
+    evaluate_together,
     learn_together,
     learns_together,
     logprobs_together,
@@ -122,7 +124,8 @@ def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alo
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
-def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path):
+@pytest.mark.parametrize("kernel", ["segmented", "stacked"])
+def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path, kernel):
     shared = _shared(tmp_path, 3, True)
     model, ids = shared.host.model, list(shared.members)
     asks, alone = {}, {}
@@ -154,7 +157,7 @@ def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path):
         adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
     for t in adapters.a + adapters.b:
         t.requires_grad_(True)
-    together = logprobs_together(model, adapters, slots, asks)
+    together = logprobs_together(model, adapters, slots, asks, kernel)
     torch.stack([(together[m] * asks[m].rows.completion_mask).sum() for m in ids]).sum().backward()
     for member_id, (logp, grads) in alone.items():
         torch.testing.assert_close(together[member_id], logp, rtol=0, atol=1e-5)
@@ -188,3 +191,20 @@ def test_one_forward_and_backward_update_each_member_as_alone(tmp_path):
             assert float((a - b).abs().max()) <= 1e-3 * float(a.abs().max()), member_id
         moved.append(want[0])
     assert not torch.equal(moved[0], moved[1])  # the members learned apart
+
+
+@pytest.mark.parametrize("rows", [3, population_train.EVAL_ROWS])
+def test_members_evaluated_together_score_as_each_alone(tmp_path, monkeypatch, rows):
+    """Greedy evaluations sampled in one batch, ``rows`` questions a member a call (3: the
+    eval split in several calls, the last short): each member's fitness is what its own
+    ``evaluate`` gives with as many questions a call."""
+    monkeypatch.setattr(population_train, "EVAL_ROWS", rows)
+    shared = _shared(tmp_path, 3, False)
+    train_together(shared, list(shared.members), 1)  # adapters apart
+    alone = {}
+    for member_id in shared.members:
+        member = shared.activate(member_id)
+        task = member.task
+        alone[member_id] = member.learner.evaluate(task.eval, task.reward, 0.0, batch_size=rows)
+    assert len(shared.member("m0").task.eval) > rows or rows == population_train.EVAL_ROWS
+    assert evaluate_together(shared, list(shared.members), 0.0) == alone
