@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evolution_overhead import write_tasks
 from shapes import pick
 
-SHAPES = pick("wide", "0.5b", "1.5b")
+SHAPES = pick("wide", "0.5b", "1.5b", "smollm2-shape")
 
 LR = 5e-3
 """Member ``i``'s lr is ``LR x (0.8 + 0.1 i)``: the lr the recorded figures were measured at
@@ -111,9 +111,10 @@ def main() -> None:
         help="also run every member in one process, their rollouts in one batch",
     )
     parser.add_argument(
-        "--worker-batch", action="store_true",
+        "--worker-batch", nargs="*", choices=["in-turn", "batched_train"],
         help="also run every member on one long-lived worker of a campaign "
-        "(launch.members_per_batch), with and without launch.batched_train",
+        "(launch.members_per_batch): its members learning in turn, with launch.batched_train, "
+        "or (no value) both",
     )  # fmt: skip
     parser.add_argument(
         "--mps", action="store_true",
@@ -141,7 +142,9 @@ def main() -> None:
         rows = [
             _campaign(root, args, manifest, k, k, 1, mps_env, f"{k} at once") for k in args.at_once
         ]
-        for train in (False, True) if args.worker_batch else ():
+        worker = args.worker_batch
+        learning = () if worker is None else (worker or ["in-turn", "batched_train"])
+        for train in (mode == "batched_train" for mode in learning):
             batched = {
                 **manifest,
                 "launch": {"members_per_batch": args.members, "batched_train": train},
@@ -177,8 +180,9 @@ def main() -> None:
     exact = [r for r in rows if "one batch" not in r[0] and "batched_train" not in r[0]]
     same = len({tuple(r[6]) for r in exact}) == 1
     print(f"\nsame fitness for every member whatever runs at once: {same}")
-    if args.worker_batch:  # within float32 ulps, not bit for bit (population_train's doc)
-        print(f"fitness with batched_train: {rows[-1][6]}")
+    for row in (r for r in rows if "batched_train" in r[0]):
+        # within float32 ulps, not bit for bit (population_train's doc)
+        print(f"fitness with batched_train: {row[6]}")
 
 
 def _campaign(

@@ -117,24 +117,28 @@ class RowAdapters:
 
     def load_from_model(self, slot: int) -> None:
         """Copy the adapter now in the model's slot into ``slot``."""
-        with torch.no_grad():
-            for i, (_, layer) in enumerate(self.layers):
-                self.a[i][slot].copy_(layer.lora_A["default"].weight)
-                self.b[i][slot].copy_(layer.lora_B["default"].weight)
-        self._check(slot)
+        weights = [layer.lora_A["default"].weight for _, layer in self.layers]
+        weights += [layer.lora_B["default"].weight for _, layer in self.layers]
+        self._copy_in(slot, weights)
 
     def load(self, slot: int, named: dict[str, Tensor]) -> None:
         """Copy an adapter given by the model's parameter names (``...lora_A.default.weight``)
         into ``slot``; every LoRA layer's two matrices must be there."""
-        with torch.no_grad():
-            for i, (name, _) in enumerate(self.layers):
-                self.a[i][slot].copy_(named[f"{name}.lora_A.default.weight"])
-                self.b[i][slot].copy_(named[f"{name}.lora_B.default.weight"])
-        self._check(slot)
+        weights = [named[f"{name}.lora_A.default.weight"] for name, _ in self.layers]
+        weights += [named[f"{name}.lora_B.default.weight"] for name, _ in self.layers]
+        self._copy_in(slot, weights)
 
-    def _check(self, slot: int) -> None:
-        """Record whether ``slot``'s adapter is finite (one fused norm a tensor, one sync)."""
-        norms = torch._foreach_norm([t[slot] for t in self.a + self.b])
+    def slot_views(self, slot: int) -> list[Tensor]:
+        """``slot``'s matrices: every layer's ``A``, then every layer's ``B``."""
+        return [t[slot] for t in self.a + self.b]
+
+    def _copy_in(self, slot: int, weights: list[Tensor]) -> None:
+        """Copy ``weights`` (:meth:`slot_views`' order) into ``slot`` in one fused copy, and
+        record whether they are finite (one fused norm, one sync)."""
+        views = self.slot_views(slot)
+        with torch.no_grad():
+            torch._foreach_copy_(views, weights)
+            norms = torch._foreach_norm(views)
         self.finite[slot] = bool(torch.stack(norms).isfinite().all())
 
     def kernel(self, segments: tuple[Segment, ...], kernel: str) -> str:

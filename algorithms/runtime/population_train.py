@@ -277,11 +277,11 @@ def _step(shared, adapters: RowAdapters, slot: int, member_id: str, request: Opt
     learner = shared.activate(member_id).learner
     grads = adapters.named_grads(slot)
     for name, param in shared.host.named_trainable:
-        param.grad = grads[name].clone()
+        param.grad = grads[name]  # a view: clipped in place, then zeroed below
     norm = learner._optimizer_step(request.loss)
-    for t in adapters.a + adapters.b:
-        if t.grad is not None:
-            t.grad[slot].zero_()
+    live = [t.grad[slot] for t in adapters.a + adapters.b if t.grad is not None]
+    if live:
+        torch._foreach_zero_(live)
     adapters.load_from_model(slot)
     return norm
 

@@ -131,9 +131,10 @@ class SharedBase:
         member = self.member(member_id)
         if self.active != member_id:
             self._store_active()
-            with torch.no_grad():
-                for p, saved in zip(self.params, self._weights[member_id], strict=True):
-                    local_shard(p).copy_(saved)
+            with torch.no_grad():  # one fused copy: a member switch is a few kernels
+                torch._foreach_copy_(
+                    [local_shard(p) for p in self.params], self._weights[member_id]
+                )
             restore_rng(self._rng[member_id])
             self.active = member_id
         return member
@@ -148,8 +149,7 @@ class SharedBase:
         if self.active is None:
             return
         with torch.no_grad():
-            for p, saved in zip(self.params, self._weights[self.active], strict=True):
-                saved.copy_(local_shard(p))
+            torch._foreach_copy_(self._weights[self.active], [local_shard(p) for p in self.params])
         self._rng[self.active] = capture_rng()
 
     def store_active(self) -> None:
