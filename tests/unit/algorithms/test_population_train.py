@@ -45,12 +45,16 @@ ALGORITHM = {  # two mini-batches of 8 rows an epoch, two epochs, a KL term
 }
 
 
-def _shared(tmp_path, per_batch: int, batched_train: bool) -> SharedBase:
+def _shared(tmp_path, per_batch: int, batched_train: bool, kernel: str = "auto") -> SharedBase:
     manifest = small_manifest(
         tmp_path,
         algorithm=ALGORITHM,
         rollout={"max_output_tokens": 8},
-        launch={"members_per_batch": per_batch, "batched_train": batched_train},
+        launch={
+            "members_per_batch": per_batch,
+            "batched_train": batched_train,
+            "lora_kernel": kernel,
+        },
     )
     shared = SharedBase(manifest, CPU)
     for i, values in enumerate(HYPERPARAMETERS):
@@ -96,10 +100,12 @@ def test_members_in_lock_step_train_as_alone_bit_for_bit(tmp_path, alone):
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
-def test_a_batched_train_step_learns_each_member_as_alone(tmp_path, alone):
+@pytest.mark.parametrize("kernel", ["auto", "stacked"])
+def test_a_batched_train_step_learns_each_member_as_alone(tmp_path, alone, kernel):
     """``launch.batched_train`` in the training loop: the first step's rollouts are each
-    member's own (the same adapters), its update equal within rounding."""
-    shared = _shared(tmp_path, 3, True)
+    member's own (the same adapters), its update equal within rounding; with either kernel
+    (``auto`` is ``segmented`` on a CPU)."""
+    shared = _shared(tmp_path, 3, True, kernel)
     trained = train_together(shared, list(shared.members), 1)
     for member_id, (history, _) in alone.items():
         assert trained[member_id].error is None
