@@ -31,7 +31,10 @@ columns, and all ``B`` as one ``[out, M r]`` matrix: two matmuls per layer whate
 but a different summation order than the solo forward (equal within floating-point
 tolerance), so the exactness tests use ``segmented``. One member's non-finite adapter would
 reach every row through the shared products (``0 x NaN`` is NaN), so a batch that holds one
-runs ``segmented``, where a member's fault stays its own rows' (:meth:`RowAdapters.kernel`).
+runs ``segmented``, where a member's fault stays its own rows' (:meth:`RowAdapters.kernel`);
+and a backward pass through the stacked products sums over every row, so a pass whose
+log-probs are not finite for some member is run again segmented
+(:func:`~pbt.algorithms.runtime.population_train.logprobs_together`).
 
 Adapters live in :class:`RowAdapters`: per LoRA layer one ``[M, r, in]`` and one
 ``[M, out, r]`` tensor, member ``m``'s at index ``m`` (a contiguous view, so a segment's
@@ -142,11 +145,18 @@ class RowAdapters:
         self.finite[slot] = bool(torch.stack(norms).isfinite().all())
 
     def kernel(self, segments: tuple[Segment, ...], kernel: str) -> str:
-        """The kernel a batch of ``segments`` runs: ``kernel``, but ``segmented`` where a
-        stacked batch would hold a non-finite adapter (it would reach every row)."""
-        if kernel == "stacked" and not all(self.finite[s.slot] for s in segments):
+        """The kernel a batch of ``segments`` runs: ``kernel``, but ``segmented`` while any
+        slot holds a non-finite adapter (the stacked products take every slot's, and its NaN
+        would reach every row)."""
+        if kernel == "stacked" and not all(self.finite):
             return "segmented"
         return kernel
+
+    def clear(self, slot: int) -> None:
+        """Zero ``slot`` (an adapter left out of a batch; zeros are finite)."""
+        with torch.no_grad():
+            torch._foreach_zero_(self.slot_views(slot))
+        self.finite[slot] = True
 
     def named_grads(self, slot: int) -> dict[str, Tensor]:
         """``slot``'s gradients by the model's parameter names (``...lora_A.default.weight``):
@@ -166,9 +176,9 @@ class RowAdapters:
         mask = self._masks.get(key)
         if mask is None:
             r = self.a[0].shape[1]
-            mask = torch.zeros((rows, self.slots * r), dtype=like.dtype, device=like.device)
+            mask = torch.zeros((rows, self.slots * r), dtype=torch.bool, device=like.device)
             for s in segments:
-                mask[s.start : s.stop, s.slot * r : (s.slot + 1) * r] = 1
+                mask[s.start : s.stop, s.slot * r : (s.slot + 1) * r] = True
             self._masks[key] = mask
         return mask
 
@@ -231,7 +241,8 @@ def _stacked(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> Te
     x = layer.lora_dropout["default"](x.to(a.dtype))
     hidden = torch.nn.functional.linear(x, a.reshape(slots * r, width))  # [N, ..., M r]
     mask = adapters._mask(segments, x.shape[0], hidden)
-    hidden = hidden * mask.view(x.shape[0], *([1] * (x.dim() - 2)), slots * r)
+    # where, not a product: another member's inf stays out of a row (inf x 0 is NaN)
+    hidden = torch.where(mask.view(x.shape[0], *([1] * (x.dim() - 2)), slots * r), hidden, 0.0)
     b_flat = b.permute(1, 0, 2).reshape(b.shape[1], slots * r)  # [out, M r]
     delta = torch.nn.functional.linear(hidden, b_flat)
     return (result + delta * layer.scaling["default"]).to(dtype)

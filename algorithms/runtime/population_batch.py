@@ -56,29 +56,58 @@ def batchable(shared: SharedMembers) -> bool:
 
 
 def complete_together(
-    shared: SharedMembers, questions: dict[str, list[Chat]], training: bool
+    shared: SharedMembers,
+    questions: dict[str, list[Chat]],
+    training: bool,
+    errors: dict[str, BaseException] | None = None,
 ) -> dict[str, RolloutBatch]:
     """Completions for every member of ``questions`` (``group_size`` samples a question when
-    ``training``, else one greedy), ``members_per_batch`` members to a batch."""
+    ``training``, else one greedy), ``members_per_batch`` members to a batch.
+
+    A member whose adapter is not finite (it diverged) is left out of the batch and samples
+    alone, as it would without a batch; where that fails, its error goes to ``errors`` (the
+    member is then missing from the result) or, without ``errors``, is raised. The other
+    members' completions are theirs either way."""
     per_batch = shared.manifest.launch.members_per_batch
     ids = list(questions)
     shared.store_active()  # the active member's adapter and stream, read from its copy
     out: dict[str, RolloutBatch] = {}
+    broken: list[str] = []
     for start in range(0, len(ids), per_batch):
         chunk = ids[start : start + per_batch]
-        out.update(zip(chunk, _one_batch(shared, chunk, questions, training), strict=True))
-    return {member_id: out[member_id] for member_id in ids}
+        out.update(_one_batch(shared, chunk, questions, training, broken))
+    for member_id in broken:
+        try:
+            out[member_id] = shared.activate(member_id).learner.complete(
+                questions[member_id], training
+            )
+        except Exception as err:
+            if errors is None:
+                raise
+            errors[member_id] = err
+    return {member_id: out[member_id] for member_id in ids if member_id in out}
 
 
 def _one_batch(
-    shared: SharedMembers, ids: Sequence[str], questions: dict[str, list[Chat]], training: bool
-) -> list[RolloutBatch]:
+    shared: SharedMembers,
+    ids: Sequence[str],
+    questions: dict[str, list[Chat]],
+    training: bool,
+    broken: list[str],
+) -> dict[str, RolloutBatch]:
+    """The completions of the members of ``ids`` with finite adapters, in one batch; the
+    others are appended to ``broken``."""
     host = shared.host
     adapters = row_adapters(shared, len(ids))
     names = [name for name, _ in host.named_trainable]
-    asks = []
+    asks, sampled = [], []
     for slot, member_id in enumerate(ids):
         adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+        if not adapters.finite[slot]:
+            broken.append(member_id)
+            adapters.clear(slot)
+            continue
+        sampled.append(member_id)
         learner = shared.member(member_id).learner
         cfg = learner.rollout_cfg
         asks.append(
@@ -93,16 +122,18 @@ def _one_batch(
                 greedy=not training,
             )
         )
+    if not sampled:
+        return {}
     host.model.eval()
-    learner = shared.member(ids[0]).learner
+    learner = shared.member(sampled[0]).learner
     kernel = kernel_for(shared.manifest.launch.lora_kernel, host.device)
     batches = generate_batched(
         host.model, host.tokenizer, adapters, asks, learner.rollout_cfg, kernel=kernel
     )
-    for member_id, ask in zip(ids, asks, strict=True):
+    for member_id, ask in zip(sampled, asks, strict=True):
         _store_stream(shared.rng_of(member_id), ask.generator, host.device)
     shared.restore_active()
-    return batches
+    return dict(zip(sampled, batches, strict=True))
 
 
 def row_adapters(shared: SharedMembers, slots: int) -> RowAdapters:

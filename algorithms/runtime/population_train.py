@@ -167,9 +167,10 @@ def _one_step(shared, live, members, on_step, say, out) -> list[str]:
         started[member_id] = time.perf_counter()
         examples[member_id] = learner.sample_prompts(members[member_id].task.train)
     questions = {m: [ex.chat for ex in examples[m]] for m in live}
-    batches = complete_together(shared, questions, training=True)
-    scored, learned = {}, {}
-    for member_id in live:
+    failed: dict[str, BaseException] = {}  # a diverged member whose rollout failed alone
+    batches = complete_together(shared, questions, training=True, errors=failed)
+    scored, learned = {}, dict(failed)
+    for member_id in (m for m in live if m not in failed):
         member = shared.activate(member_id)
         try:  # a reward function that fails fails its member's task only
             scored[member_id] = member.learner.scored(
@@ -254,7 +255,7 @@ def _answer(shared, adapters, slots, pending: dict[str, Request], results) -> di
     replies: dict[str, Any] = {}
     backward = {m: r for m, r in pending.items() if isinstance(r, Backward)}
     if backward:
-        torch.stack([r.loss for r in backward.values()]).sum().backward()
+        backward_together([r.loss for r in backward.values()])
         replies |= dict.fromkeys(backward)
     for member_id, request in pending.items():
         if isinstance(request, OptimizerStep):
@@ -269,6 +270,14 @@ def _answer(shared, adapters, slots, pending: dict[str, Request], results) -> di
         if group:
             replies |= logprobs_together(shared.host.model, adapters, slots, group, kernel)
     return replies
+
+
+def backward_together(losses: list[Tensor]) -> None:
+    """ONE backward of the members' losses' sum; a non-finite loss is left out (its gradient
+    zero, not NaN, so it reaches no other member's adapter through a stacked product): its
+    member skips the step on its non-finite loss, as alone."""
+    stacked = torch.stack(losses)
+    torch.where(torch.isfinite(stacked), stacked, 0.0).sum().backward()
 
 
 def _step(shared, adapters: RowAdapters, slot: int, member_id: str, request: OptimizerStep):
@@ -321,13 +330,21 @@ def logprobs_together(
             )
         return hidden[:, :0, 0]  # the log-probs leave through ``parts``
 
-    rows_in = (
-        model.disable_adapter()
-        if first.reference
-        else adapters.rows(segments, kernel, keep_masks=False)
-    )
-    with torch.set_grad_enabled(first.grad), mixed_precision(model), rows_in:
-        with_head_forward(model, head, forward, inputs, width + 1)
+    def run(kernel: str) -> None:
+        rows_in = (
+            model.disable_adapter()
+            if first.reference
+            else adapters.rows(segments, kernel, keep_masks=False)
+        )
+        with torch.set_grad_enabled(first.grad), mixed_precision(model), rows_in:
+            with_head_forward(model, head, forward, inputs, width + 1)
+
+    run(kernel)
+    # a backward through the stacked products sums over every row, and 0 x inf is NaN: a
+    # member whose forward went non-finite is run again with the rest, segmented
+    stacked = first.grad and adapters.kernel(segments, kernel) == "stacked"
+    if stacked and not bool(torch.isfinite(torch.stack([p.sum() for p in parts.values()])).all()):
+        run("segmented")
     return {
         member_id: torch.nn.functional.pad(parts[member_id], (0, right))
         if right

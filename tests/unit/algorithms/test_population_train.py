@@ -21,6 +21,7 @@ from pbt.algorithms.rollout.hf import sequence_logprobs
 from pbt.algorithms.runtime import population_train
 from pbt.algorithms.runtime.population_batch import row_adapters
 from pbt.algorithms.runtime.population_train import (
+    backward_together,
     evaluate_together,
     learn_together,
     learns_together,
@@ -130,6 +131,28 @@ def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alo
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
+@pytest.mark.parametrize("batched_train", [False, True])
+def test_a_diverged_member_fails_alone_and_the_others_train_on(tmp_path, alone, batched_train):
+    """A member whose adapter went NaN samples alone, outside the batch, and fails there as it
+    would alone (NaN probabilities); the others train every step: as alone, bit for bit, when
+    learning in turn."""
+    shared = _shared(tmp_path, 3, batched_train, "stacked")
+    shared.store_active()
+    for tensor in shared.adapter_of("m1"):
+        tensor.fill_(float("nan"))
+    shared.restore_active()
+    trained = train_together(shared, list(shared.members), 2)
+    assert isinstance(trained["m1"].error, RuntimeError) and not trained["m1"].history
+    assert "nan" in str(trained["m1"].error)
+    for member_id in ("m0", "m2"):
+        history, state = alone[member_id]
+        assert trained[member_id].error is None and len(trained[member_id].history) == 2
+        if not batched_train:
+            assert _without_timings(trained[member_id].history) == _without_timings(history)
+            together = _state(shared, member_id)
+            assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True))
+
+
 @pytest.mark.parametrize("kernel", ["segmented", "stacked"])
 def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path, kernel):
     shared = _shared(tmp_path, 3, True)
@@ -214,3 +237,42 @@ def test_members_evaluated_together_score_as_each_alone(tmp_path, monkeypatch, r
         alone[member_id] = member.learner.evaluate(task.eval, task.reward, 0.0, batch_size=rows)
     assert len(shared.member("m0").task.eval) > rows or rows == population_train.EVAL_ROWS
     assert evaluate_together(shared, list(shared.members), 0.0) == alone
+
+
+def test_a_member_whose_forward_overflows_leaves_the_others_gradients_alone(tmp_path):
+    """Stacked: a member whose adapter is finite but so large that its rows overflow gives
+    non-finite log-probs; the pass runs again segmented and its loss is left out of the
+    backward, so the other members' gradients are finite and as alone."""
+    shared = _shared(tmp_path, 3, True, "stacked")
+    model, ids = shared.host.model, list(shared.members)
+    asks, alone = {}, {}
+    for i, member_id in enumerate(ids):
+        member = shared.activate(member_id)
+        examples = member.learner.sample_prompts(member.task.train)[:1]
+        rows = member.learner.complete([ex.chat for ex in examples]).select(slice(0, 2))
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():  # sampled first: m1's overflowing adapter cannot sample
+            for param in shared.params:
+                param.add_(torch.randn(param.shape, generator=gen) * (1e15 if i == 1 else 0.1))
+        asks[member_id] = LogProbs(rows, 1.0, grad=True)
+        if i != 1:
+            (sequence_logprobs(model, rows, 1.0) * rows.completion_mask).sum().backward()
+            alone[member_id] = {n: p.grad.clone() for n, p in shared.host.named_trainable}
+            member.learner.optimizer.zero_grad(set_to_none=True)
+    shared.store_active()
+    adapters = row_adapters(shared, 3)
+    names = [name for name, _ in shared.host.named_trainable]
+    slots = {member_id: slot for slot, member_id in enumerate(ids)}
+    for member_id, slot in slots.items():
+        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+    assert adapters.finite == [True] * 3
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(True)
+    together = logprobs_together(model, adapters, slots, asks, "stacked")
+    assert not torch.isfinite(together["m1"]).all()
+    backward_together([(together[m] * asks[m].rows.completion_mask).sum() for m in ids])
+    for member_id, grads in alone.items():
+        got = adapters.named_grads(slots[member_id])
+        for name, grad in grads.items():
+            assert torch.isfinite(got[name]).all(), name
+            assert float((got[name] - grad).abs().max()) <= 1e-5 * float(grad.abs().max()), name
