@@ -111,6 +111,18 @@ class Manifest:
                 "members on long-lived workers only; with launch.persistent_workers: false each "
                 "member task runs alone (docs/rollouts.md)"
             )
+        elif launch.members_per_batch > 1 and launch.backend == "slurm":
+            notes.append(
+                f"launch.members_per_batch ({launch.members_per_batch}) batches members on this "
+                "machine's long-lived workers; with launch.backend: slurm each member task runs "
+                "alone in its job (docs/rollouts.md)"
+            )
+        if launch.lora_kernel != "auto" and launch.members_per_batch == 1:
+            notes.append(
+                f"launch.lora_kernel ({launch.lora_kernel}) is how a batch of several members "
+                "runs their adapters; with launch.members_per_batch 1 there is no batch: set "
+                "members_per_batch > 1"
+            )
         if launch.batched_train and launch.members_per_batch == 1:
             notes.append(
                 "launch.batched_train (true) trains the members of a batch together; with "

@@ -79,3 +79,11 @@ def test_a_campaign_manifest_is_told_where_members_per_batch_applies(tmp_path):
     assert not any("members_per_batch" in n for n in small_manifest(tmp_path).notes())
     unbatched = small_manifest(tmp_path, launch={"batched_train": True})
     assert any(n.startswith("launch.batched_train (true)") for n in unbatched.notes())
+    slurm = small_manifest(tmp_path, launch={"members_per_batch": 4, "backend": "slurm"})
+    assert any(
+        n.startswith("launch.members_per_batch (4) batches members on") for n in slurm.notes()
+    )
+    kernel = small_manifest(tmp_path, launch={"lora_kernel": "stacked"})
+    assert any(n.startswith("launch.lora_kernel (stacked)") for n in kernel.notes())
+    batched = small_manifest(tmp_path, launch={"lora_kernel": "stacked", "members_per_batch": 2})
+    assert not batched.notes()
