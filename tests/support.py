@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import importlib.util
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -326,13 +328,16 @@ def needs_vllm(test):
 
 
 def vllm_env(tmp_path: Path) -> dict[str, str]:
-    """vLLM's caches and temporary files inside the test's folder."""
-    (tmp_path / "tmp").mkdir(exist_ok=True)
+    """vLLM's caches inside the test's folder; its temporary files in a short folder of the
+    system's temporary root, removed at exit: they hold the engine's IPC sockets, whose paths
+    must fit 107 bytes, and a pytest-xdist worker's test folder is longer (``popen-gw0/``)."""
+    tmp = tempfile.mkdtemp(prefix="pbt-vllm-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     return {
         **os.environ,
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
         "VLLM_NO_USAGE_STATS": "1",
-        "TMPDIR": str(tmp_path / "tmp"),
+        "TMPDIR": tmp,
         "OMP_NUM_THREADS": "1",
     }
 

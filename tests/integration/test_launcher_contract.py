@@ -112,7 +112,14 @@ def _wait(condition: Callable[[], object], within_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
+def _kind_param(kind: str) -> object:
+    """A kind as the rig's parameter: the Slurm kinds join the Slurm tests' pytest-xdist group
+    (one worker uses the session's cluster; see the repository's conftest.py)."""
+    slurm = KINDS[kind]["backend"] == "slurm"
+    return pytest.param(kind, marks=[pytest.mark.xdist_group("slurm")] if slurm else [])
+
+
+@pytest.fixture(scope="module", params=[_kind_param(kind) for kind in KINDS])
 def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     """A rig for each kind; the Slurm kinds on the session's test cluster."""
     kind = request.param
