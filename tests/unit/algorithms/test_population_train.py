@@ -131,6 +131,20 @@ def test_a_collapsed_member_stops_and_the_others_train_on_as_alone(tmp_path, alo
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
+def _stacked(shared: SharedBase, ids: list[str]):
+    """Every member's adapter in its slot of the shared base's row adapters, trainable; and the
+    slots by member."""
+    shared.store_active()
+    adapters = row_adapters(shared, len(ids))
+    names = [name for name, _ in shared.host.named_trainable]
+    slots = {member_id: slot for slot, member_id in enumerate(ids)}
+    for member_id, slot in slots.items():
+        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(True)
+    return adapters, slots
+
+
 @pytest.mark.parametrize("batched_train", [False, True])
 def test_a_diverged_member_fails_alone_and_the_others_train_on(tmp_path, alone, batched_train):
     """A member whose adapter went NaN samples alone, outside the batch, and fails there as it
@@ -178,14 +192,7 @@ def test_one_pass_gives_each_member_its_own_logprobs_and_gradient(tmp_path, kern
             {n: p.grad.clone() for n, p in shared.host.named_trainable},
         )
         member.learner.optimizer.zero_grad(set_to_none=True)
-    shared.store_active()
-    adapters = row_adapters(shared, 3)
-    names = [name for name, _ in shared.host.named_trainable]
-    slots = {member_id: slot for slot, member_id in enumerate(ids)}
-    for member_id, slot in slots.items():
-        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
-    for t in adapters.a + adapters.b:
-        t.requires_grad_(True)
+    adapters, slots = _stacked(shared, ids)
     together = logprobs_together(model, adapters, slots, asks, kernel)
     torch.stack([(together[m] * asks[m].rows.completion_mask).sum() for m in ids]).sum().backward()
     for member_id, (logp, grads) in alone.items():
@@ -259,15 +266,8 @@ def test_a_member_whose_forward_overflows_leaves_the_others_gradients_alone(tmp_
             (sequence_logprobs(model, rows, 1.0) * rows.completion_mask).sum().backward()
             alone[member_id] = {n: p.grad.clone() for n, p in shared.host.named_trainable}
             member.learner.optimizer.zero_grad(set_to_none=True)
-    shared.store_active()
-    adapters = row_adapters(shared, 3)
-    names = [name for name, _ in shared.host.named_trainable]
-    slots = {member_id: slot for slot, member_id in enumerate(ids)}
-    for member_id, slot in slots.items():
-        adapters.load(slot, dict(zip(names, shared.adapter_of(member_id), strict=True)))
+    adapters, slots = _stacked(shared, ids)
     assert adapters.finite == [True] * 3
-    for t in adapters.a + adapters.b:
-        t.requires_grad_(True)
     together = logprobs_together(model, adapters, slots, asks, "stacked")
     assert not torch.isfinite(together["m1"]).all()
     backward_together([(together[m] * asks[m].rows.completion_mask).sum() for m in ids])
