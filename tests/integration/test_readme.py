@@ -41,11 +41,9 @@ def test_the_readme_library_snippet_runs_as_written_with_progress(tmp_path: Path
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    first_line_s = None
-    lines = []
+    lines, times = [], []
     for line in proc.stdout:
-        if first_line_s is None:
-            first_line_s = time.monotonic() - started
+        times.append(time.monotonic() - started)
         lines.append(line.rstrip("\n"))
     err = proc.stderr.read()
     assert proc.wait(timeout=600) == 0, err[-3000:]
@@ -53,5 +51,7 @@ def test_the_readme_library_snippet_runs_as_written_with_progress(tmp_path: Path
         line for line in lines if re.fullmatch(r"generation \d g\d{3}-m\d\d: fitness [\d.]+", line)
     ]
     assert len(progress) == 12 and progress == lines, lines  # 3 generations x 4 members
-    # the first line comes with the first member's evaluation, not at the end
-    assert first_line_s is not None and first_line_s < (time.monotonic() - started) / 2
+    # the lines come as the members are evaluated, not in one burst at the end (held back
+    # by buffering, all 12 would arrive within milliseconds; the three generations train for
+    # seconds between them, however long the imports before took on a loaded machine)
+    assert times[-1] - times[0] > 1.0, times
