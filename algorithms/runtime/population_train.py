@@ -102,8 +102,7 @@ def train_together(
     """
     out = {member_id: Trained() for member_id in ids}
     members = {member_id: shared.member(member_id) for member_id in ids}
-    plain = all(m.learner.plain_step(m.task.reward) for m in members.values())
-    if not (plain and batchable(shared)):
+    if not _in_one_batch(shared, members.values()):
         for member_id, member in members.items():  # each in turn: its step is its own
             _alone(shared, member_id, member, steps, on_step, say, out[member_id])
         return out
@@ -126,12 +125,7 @@ def evaluate_together(shared: SharedMembers, ids: Sequence[str], temperature: fl
     :meth:`~pbt.algorithms.grpo.GRPO.evaluate` gives each alone. Sampled evaluations
     (``temperature`` > 0), multi-turn tasks and anything not batchable evaluate in turn."""
     members = {member_id: shared.member(member_id) for member_id in ids}
-    together = (
-        temperature == 0
-        and batchable(shared)
-        and all(m.learner.plain_step(m.task.reward) for m in members.values())
-    )
-    if not together:
+    if not (temperature == 0 and _in_one_batch(shared, members.values())):
         out = {}
         for member_id in ids:
             member = shared.activate(member_id)
@@ -149,6 +143,12 @@ def evaluate_together(shared: SharedMembers, ids: Sequence[str], temperature: fl
             reward = members[member_id].task.reward
             totals[member_id] += float(reward(chunk, batches[member_id].texts)[0].sum())
     return {m: totals[m] / max(len(members[m].task.eval), 1) for m in ids}
+
+
+def _in_one_batch(shared: SharedMembers, members) -> bool:
+    """Whether ``members`` sample in one batch: ``shared`` batches, and each member's step is
+    the plain one (:meth:`~pbt.algorithms.grpo.GRPO.plain_step`)."""
+    return batchable(shared) and all(m.learner.plain_step(m.task.reward) for m in members)
 
 
 def _alone(shared, member_id, member: Member, steps, on_step, say, trained: Trained) -> None:
