@@ -20,6 +20,7 @@ from pbt.algorithms.data.supervised import PreferenceExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import dpo_loss, preference_accuracy
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, sequence_logprobs
+from pbt.algorithms.runtime.models import set_mode
 from pbt.algorithms.sft import _sum_over_chunks, _to
 from pbt.distributed import all_reduce
 
@@ -59,7 +60,7 @@ class DPO(Learner):
 
     def learn(self, examples: list[PreferenceExample]) -> dict[str, float]:
         """One step on this rank's share of a global batch; returns global metrics."""
-        self.model.train()
+        set_mode(self.model, True)
         beta = self.algorithm.beta
 
         def loss(idx: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -101,7 +102,7 @@ class DPO(Learner):
     ) -> float:
         """Preference accuracy on ``examples``: the share whose chosen response the adapter
         prefers over the rejected one more than the reference does."""
-        self.model.eval()
+        set_mode(self.model, False)
 
         def terms(batch: RolloutBatch) -> tuple[float, float]:
             chosen, rejected = self._sequence_logps(batch)

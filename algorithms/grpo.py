@@ -37,6 +37,7 @@ from pbt.algorithms.objectives.dapo import overlong_penalty
 from pbt.algorithms.passes import Backward, LogProbs, OptimizerStep, Steps, run_alone
 from pbt.algorithms.rollout.dedicated import DedicatedRollouts, behaviour_weights
 from pbt.algorithms.rollout.hf import RolloutBatch, concat_batches, generate
+from pbt.algorithms.runtime.models import set_mode
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded, set_gradient_sync
 
@@ -97,7 +98,7 @@ class GRPO(Learner):
     ) -> RolloutBatch:
         """Completions from the current adapter through the rollout engine: Hugging Face
         ``generate``, or the process's vLLM engine (the adapter reloaded first if it changed)."""
-        self.model.eval()
+        set_mode(self.model, False)
         if self.engine is None:
             return generate(
                 self.model,
@@ -310,7 +311,7 @@ class GRPO(Learner):
     def _update(self, batch: RolloutBatch, advantages: Tensor) -> Steps[dict[str, float]]:
         algo = self.algorithm
         world = self.world_size
-        self.model.train()
+        set_mode(self.model, True)
         ref_logp = None
         if algo.beta > 0:
             ref_logp = yield from self._logprob_steps(batch, reference=True)
@@ -478,7 +479,7 @@ class GRPO(Learner):
         ranks."""
         if isinstance(reward, Episodes):
             return evaluate_episodes(self, examples, reward, temperature, batch_size)
-        self.model.eval()
+        set_mode(self.model, False)
         mine = examples[self.rank :: self.world_size]
         # every rank runs the same number of generate calls (sharded layers gather together)
         calls = math.ceil(math.ceil(len(examples) / self.world_size) / batch_size)

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from pbt.algorithms import losses
 from pbt.algorithms.grpo import GRPO, IMPORTANCE_TOTALS, nonfinite_note
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
-from pbt.algorithms.runtime.models import lora_config
+from pbt.algorithms.runtime.models import lora_config, set_mode
 from pbt.config import LoRAConfig
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import set_gradient_sync
@@ -239,7 +239,7 @@ class PPO(GRPO):
             "lr": self.optimizer.param_groups[0]["lr"],
         }
         self.step += 1
-        self.model.train()
+        set_mode(self.model, True)
         mask = batch.completion_mask  # [N, C]
         old_logp = self._logprobs_no_grad(batch)
         kl = None

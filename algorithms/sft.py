@@ -21,6 +21,7 @@ from pbt.algorithms.data.supervised import SFTExample, encode_pairs
 from pbt.algorithms.learner import Learner
 from pbt.algorithms.preference import sft_loss_terms
 from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+from pbt.algorithms.runtime.models import set_mode
 from pbt.distributed import all_reduce
 
 
@@ -49,7 +50,7 @@ class SFT(Learner):
 
     def learn(self, examples: list[SFTExample]) -> dict[str, float]:
         """One step on this rank's share of a global batch; returns global metrics."""
-        self.model.train()
+        set_mode(self.model, True)
         batch = self.encode(examples)
 
         def loss(idx: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -79,7 +80,7 @@ class SFT(Learner):
     @torch.no_grad()
     def evaluate(self, examples: list[SFTExample], reward=None, temperature: float = 0.0) -> float:
         """Negative mean NLL per response token over ``examples``, split across ranks."""
-        self.model.eval()
+        set_mode(self.model, False)
         nll, tokens = _sum_over_chunks(
             self, examples, lambda part: sft_loss_terms(
                 sequence_logprobs(self.model, part, 1.0), part.completion_mask

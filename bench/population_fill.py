@@ -231,13 +231,24 @@ def _campaign(
             fitness = [round(o.result.fitness, 4) for o in outcomes]
             print(
                 f"{label}, generation {generation}: wall {wall:.1f} s, "
-                f"{tokens / wall:,.0f} tok/s, fitness {fitness}",
+                f"{tokens / wall:,.0f} tok/s, fitness {fitness}; {_phases(outcomes)}",
                 flush=True,
             )
     finally:
         launcher.close()
     peak = max((p for p in peaks if p is not None), default=None)
     return (label, wall, tokens / wall, busy, used, peak, fitness)
+
+
+def _phases(outcomes) -> str:
+    """A task's mean seconds by phase (its result's ``timings``: setting up and loading the
+    parent, training, evaluating, saving; a batch's are shared by its members)."""
+    timings = [o.result.timings for o in outcomes if o.result.timings]
+    if not timings:
+        return "no timings"
+    keys = [k for k in timings[0] if all(k in t for t in timings)]
+    mean = {k: sum(t[k] for t in timings) / len(timings) for k in keys}
+    return "a task's phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in mean.items())
 
 
 def _batched(manifest: dict, args, root: Path, rows_per_step: int) -> tuple:

@@ -42,6 +42,7 @@ from pbt.algorithms.envs.tools import (
 )
 from pbt.algorithms.envs.trajectory import Trajectory, TurnTemplate
 from pbt.algorithms.rollout.hf import RolloutBatch, sample_ids
+from pbt.algorithms.runtime.models import set_mode
 from pbt.distributed import all_reduce
 from pbt.distributed.fsdp import is_sharded
 
@@ -113,7 +114,7 @@ def play(
     where a caller needs to fix what is sampled; None samples through the learner's engine
     (:func:`sampler_for`).
     """
-    learner.model.eval()  # sampling: no dropout
+    set_mode(learner.model, False)  # sampling: no dropout
     template = TurnTemplate(learner.tokenizer)
     guard = episodes.guard()
     games = [_start(episodes, guard, template, s) for s in seeds for _ in range(repeats)]
@@ -331,7 +332,7 @@ def episode_figures(
 ) -> dict[str, float]:  # fmt: skip
     """Held-out means over every rank of :data:`TERMS`, and ``success_turns``: the mean
     replies of the episodes that succeeded (0 when none did)."""
-    learner.model.eval()
+    set_mode(learner.model, False)
     mine = list(examples)[learner.rank :: learner.world_size]
     calls = math.ceil(math.ceil(len(examples) / learner.world_size) / batch_size)
     sums = torch.zeros(len(TERMS) + 2)

@@ -41,6 +41,7 @@ from pbt.algorithms.rollout.engine_messages import (
     Served,
     Stop,
 )
+from pbt.algorithms.runtime.models import set_mode
 from pbt.config import Manifest
 from pbt.config.errors import PbtError
 
@@ -110,7 +111,7 @@ class _Server:
         self.tokenizer = load_tokenizer(m.model, m.base_dir)
         self.model = add_lora(load_base_model(m.model, self.device, m.base_dir), m.lora)
         set_mixed_precision(self.model, m.training.mixed_precision)
-        self.model.eval()
+        set_mode(self.model, False)
         self.params = [p for _, p in trainable_parameters(self.model)]
         self.adapters, self.replies, self.session = adapters, replies, session
         self.served = (-1, -1)  # (session, version)

@@ -212,6 +212,16 @@ def _bound(forward, adapters: RowAdapters, index: int, layer, segments):
     return call
 
 
+def _lora_input(x: Tensor, a: Tensor, dropout) -> Tensor:
+    """``x`` in the adapter's dtype, as peft casts it, except under autocast without dropout:
+    there the matmul casts it back to the half type at once, and the round trip (half to
+    float32 and back) gives the same values, so it is left out (two copies of the layer's
+    activations a LoRA layer, a forward)."""
+    if isinstance(dropout, torch.nn.Identity) and torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(a.dtype)
+
+
 def _segmented(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> Tensor:
     """peft's ``Linear.forward`` for one adapter, applied segment by segment."""
     result = layer.base_layer(x, *args, **kwargs)
@@ -220,7 +230,7 @@ def _segmented(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> 
         return result
     a, b = adapters.a[index], adapters.b[index]
     dropout, scaling = layer.lora_dropout["default"], layer.scaling["default"]
-    x = x.to(a.dtype)
+    x = _lora_input(x, a, dropout)
     parts = []
     for s in segments:
         delta = torch.nn.functional.linear(
@@ -238,7 +248,8 @@ def _stacked(adapters, index, layer, segments, x: Tensor, *args, **kwargs) -> Te
         return result
     a, b = adapters.a[index], adapters.b[index]  # [M, r, in], [M, out, r]
     slots, r, width = a.shape
-    x = layer.lora_dropout["default"](x.to(a.dtype))
+    dropout = layer.lora_dropout["default"]
+    x = dropout(_lora_input(x, a, dropout))
     hidden = torch.nn.functional.linear(x, a.reshape(slots * r, width))  # [N, ..., M r]
     mask = adapters._mask(segments, x.shape[0], hidden)
     # where, not a product: another member's inf stays out of a row (inf x 0 is NaN)

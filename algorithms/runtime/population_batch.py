@@ -22,6 +22,7 @@ from pbt.algorithms.rollout.batched import MemberRollout, generate_batched
 from pbt.algorithms.rollout.hf import RolloutBatch
 from pbt.algorithms.runtime.lora_batch import RowAdapters, kernel_for
 from pbt.algorithms.runtime.member import Host, Member
+from pbt.algorithms.runtime.models import set_mode
 from pbt.config import Manifest
 
 
@@ -124,7 +125,7 @@ def _one_batch(
         )
     if not sampled:
         return {}
-    host.model.eval()
+    set_mode(host.model, False)
     learner = shared.member(sampled[0]).learner
     kernel = kernel_for(shared.manifest.launch.lora_kernel, host.device)
     batches = generate_batched(
