@@ -142,14 +142,14 @@ def test_long_lived_workers_train_the_same_members(
     """``launch.persistent_workers``: one worker group per slot serves every task of the
     campaign on a model loaded once, and every member comes out bit for bit as it does from a
     process of its own: the same decisions, fitness and checkpoint digests. With writes that
-    outlast the controller's look at the results (a second each, longer than the two slots'
+    outlast the controller's look at the results (two seconds each, longer than the two slots'
     last members end apart), the next generation's first members start behind them, a child
     of a parent still being written on the worker writing it, from that worker's memory."""
     reference = reference[0]
     directory = tmp_path / "campaign"
     proc = subprocess.run(
         [*PBT, "run", str(persistent), "--dir", str(directory)], capture_output=True, text=True,
-        timeout=900, env={**os.environ, "PBT_DELAY_AT": "checkpoint_write:1.0"},
+        timeout=900, env={**os.environ, "PBT_DELAY_AT": "checkpoint_write:2.0"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for generation in (0, 1):

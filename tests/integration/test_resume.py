@@ -233,6 +233,37 @@ def test_killed_process_group_resumes_at_once(tmp_path, straight, moment):
     assert _campaign(directory) == _campaign(straight[1])
 
 
+@pytest.mark.integration
+def test_an_attempt_the_controllers_death_cut_short_costs_no_retry(tmp_path, straight):
+    """A member killed with its controller runs again as the same attempt: when that run
+    fails (here on purpose; under load, a slow start past the heartbeat timeout), the member
+    still has its retry, and the campaign is the uninterrupted one, not one where the member
+    was replaced by a clone of the best after its "last" attempt."""
+    manifest = write_manifest(tmp_path / "manifest.yaml", MANIFEST, budget={"generations": 4})
+    directory = tmp_path / "campaign"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONTROLLER, str(manifest), str(directory), "-", *FAKE],
+        env={**os.environ, "FAKE_MEMBER_SECONDS": "30"}, stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (directory / "tasks/g000-m01/heartbeat").exists():  # its first run started
+            assert proc.poll() is None and time.monotonic() < deadline, "g000-m01 never started"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    # the member's own second run (the first after the resume) fails, its third succeeds
+    (directory / "faults.json").write_text(json.dumps({"g000-m01": ["ok", "exit1"]}))
+    _run(Campaign.resume(directory, member_command=FAKE))
+    assert _campaign(directory) == _campaign(straight[1])
+    with CampaignStore(directory / "store.db") as store:
+        retried = next(m for m in store.members(0) if m.member_id == "g000-m01")
+        faults = [(f["member_id"], f["attempt"], f["kind"]) for f in store.faults(0)]
+    assert retried.attempts == 2 and faults == [("g000-m01", 1, "failed")], faults
+
+
 TORCHRUN_FAKE = [*member_command()[:-2], FAKE[1]]
 """The default member command (torchrun: an agent and its rank, each in a session of its own)
 with the fake member in place of ``-m pbt.worker``."""
