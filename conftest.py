@@ -4,9 +4,25 @@ offline, in a private cache."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch gets the cores divided by the workers (one each
+    on two cores with ``-n 2``), and its subprocesses inherit as much, unless
+    ``OMP_NUM_THREADS`` is set: two workers with torch's default pool each (a thread a core)
+    spin against each other, and took 85 s for the seven learning tests of
+    ``test_algorithms.py`` that take 15 s with a thread each (16 s one test at a time)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # imported already (by a plugin): its pool is not started yet
+        sys.modules["torch"].set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)
