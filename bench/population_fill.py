@@ -16,7 +16,11 @@ mutated. The measured generation is the last one (the workers have loaded the mo
 captured their graphs by then): its population tokens/s is every completion token sampled and
 trained by every member (rollout + train) over the generation's wall time. On CUDA,
 ``nvidia-smi`` is sampled every 200 ms during it: the GPU's busy share and the most memory in
-use. Each member's result reports its own peak (``peak_memory_gib``).
+use. Each member's result reports its own peak (``peak_memory_gib``). The generation's wall
+ends when the last checkpoint is written; "every result known" is when every member's result
+was (a long-lived worker releases a result before its checkpoint is written): what a campaign's
+controller selects from, handing the next generation's first members to the workers while
+those writes run. Each row's line gives its tasks' mean phases (load, train, evaluate, save).
 
 ``--batched``: the same members, steps and lrs as a library-mode population in this process
 (one base model, ``launch.members_per_batch`` = ``--members``): each step samples every
@@ -163,15 +167,15 @@ def main() -> None:
         f"last of {args.generations} generations{'; under CUDA MPS' if args.mps else ''}\n"
     )
     print(
-        "| members | wall s | population tok/s | vs one at a time | GPU busy | "
-        "GPU memory in use | a member's peak |"
+        "| members | wall s | population tok/s | vs one at a time | every result known, s | "
+        "vs one at a time | GPU busy | GPU memory in use | a member's peak |"
     )
-    print("|---|---|---|---|---|---|---|")
-    base = next((r[2] for r in rows if r[0] == "1 at once"), rows[0][2])
-    for k, wall, rate, busy, used, peak, _ in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    first = next((r for r in rows if r[0] == "1 at once"), rows[0])
+    for k, wall, rate, busy, used, peak, _, results_s in rows:
         print(
-            f"| {k} | {wall:.1f} | {rate:,.0f} | **{rate / base:.2f}x** | "
-            f"{'-' if busy is None else f'{busy:.0f}%'} | "
+            f"| {k} | {wall:.1f} | {rate:,.0f} | **{rate / first[2]:.2f}x** | {results_s:.1f} | "
+            f"{first[7] / results_s:.2f}x | {'-' if busy is None else f'{busy:.0f}%'} | "
             f"{'-' if used is None else f'{used:.1f} GiB'} | "
             f"{'-' if peak is None else f'{peak:.2f} GiB'} |"
         )
@@ -218,9 +222,15 @@ def _campaign(
             )
             last = generation == args.generations - 1
             sampler = _GpuSampler(args.gpu) if last and gpus else None
-            start = time.perf_counter()
-            outcomes = launcher.run(tasks)
+            start, released = time.perf_counter(), []
+
+            def known(_results, released=released) -> list:  # every result, writes running
+                released.append(time.perf_counter())
+                return []
+
+            outcomes = launcher.run(tasks, on_released=known)
             wall = time.perf_counter() - start
+            results_s = released[0] - start if released else wall
             busy, used = sampler.stop() if sampler else (None, None)
             for o in outcomes:
                 if o.status != "ok":
@@ -230,14 +240,15 @@ def _campaign(
             peaks = [o.result.peak_memory_gib for o in outcomes]
             fitness = [round(o.result.fitness, 4) for o in outcomes]
             print(
-                f"{label}, generation {generation}: wall {wall:.1f} s, "
-                f"{tokens / wall:,.0f} tok/s, fitness {fitness}; {_phases(outcomes)}",
+                f"{label}, generation {generation}: wall {wall:.1f} s (every result known at "
+                f"{results_s:.1f} s), {tokens / wall:,.0f} tok/s, fitness {fitness}; "
+                f"{_phases(outcomes)}",
                 flush=True,
             )
     finally:
         launcher.close()
     peak = max((p for p in peaks if p is not None), default=None)
-    return (label, wall, tokens / wall, busy, used, peak, fitness)
+    return (label, wall, tokens / wall, busy, used, peak, fitness, results_s)
 
 
 def _phases(outcomes) -> str:
@@ -288,7 +299,7 @@ def _batched(manifest: dict, args, root: Path, rows_per_step: int) -> tuple:
         )
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     fitness = [round(agent.test(), 4) for agent in pop]
-    return (f"{args.members} in one batch", wall, tokens / wall, busy, used, peak, fitness)
+    return (f"{args.members} in one batch", wall, tokens / wall, busy, used, peak, fitness, wall)
 
 
 if __name__ == "__main__":
