@@ -327,15 +327,23 @@ def needs_vllm(test):
     return pytest.mark.vllm(skip(test))
 
 
+def vllm_cache() -> str:
+    """vLLM's cache folder for the test session (beside the session's model cache): what vLLM
+    keeps there is keyed by the content it was made from (the model classes' facts, which it
+    otherwise learns in a subprocess importing all of vLLM, 7 s of CPU, at every engine start)."""
+    return str(Path(os.environ.get("PBT_CACHE_DIR") or tempfile.gettempdir()) / "vllm-cache")
+
+
 def vllm_env(tmp_path: Path) -> dict[str, str]:
-    """vLLM's caches inside the test's folder; its temporary files in a short folder of the
-    system's temporary root, removed at exit: they hold the engine's IPC sockets, whose paths
-    must fit 107 bytes, and a pytest-xdist worker's test folder is longer (``popen-gw0/``)."""
+    """vLLM's caches in the session's folder (:func:`vllm_cache`); its temporary files in a
+    short folder of the system's temporary root, removed at exit: they hold the engine's IPC
+    sockets, whose paths must fit 107 bytes, and a pytest-xdist worker's test folder is longer
+    (``popen-gw0/``)."""
     tmp = tempfile.mkdtemp(prefix="pbt-vllm-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     return {
         **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache(),
         "VLLM_NO_USAGE_STATS": "1",
         "TMPDIR": tmp,
         "OMP_NUM_THREADS": "1",

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from real_model_support import RealModel, real_model
+from support import vllm_cache
 
 PROMPTS = ["What is 17 + 25?", "What is 48 + 39?", "Name a colour."]
 
@@ -178,7 +179,7 @@ def test_vllm_decodes_the_real_model_like_hf(model, tmp_path):
     (tmp_path / "tmp").mkdir()
     env = {
         **model.env(),
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache(),
         "VLLM_NO_USAGE_STATS": "1",
         "TMPDIR": str(tmp_path / "tmp"),
     }

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import DRIVERS, REPO
+from support import DRIVERS, REPO, vllm_cache
 
 from pbt.algorithms import (
     CISPO,
@@ -254,7 +254,7 @@ def _launch(out: Path, mode: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "VLLM_CACHE_ROOT": str(out / "vllm-cache"),
+        "VLLM_CACHE_ROOT": vllm_cache(),
         "VLLM_NO_USAGE_STATS": "1",
         "TMPDIR": str(out / "tmp"),
     }
