@@ -497,9 +497,10 @@ class Campaign:
         total = len(self.store.members(generation))
         launcher = self._launcher()
         adopted = self._adopt_jobs(pending, launcher)
-        # an attempt the previous controller's death cut short (its process ended above) is
-        # run again as the same attempt: a crash of the controller costs no member a retry
-        interrupted = {m.member_id for m in pending if m.status == "running" and m.attempts}
+        # a member a previous controller left running goes on with its attempt: its job
+        # adopted, or its process ended above and the attempt run again (a crash of the
+        # controller costs no member a retry)
+        carried = {m.member_id for m in pending if m.status == "running" and m.attempts}
         self.say(f"generation {generation}: training {len(pending)} of {total} members")
         self.log.members_started(pending)
         attempts: dict[str, int] = {}
@@ -513,7 +514,7 @@ class Campaign:
 
         while pending:
             for m in pending:
-                if m.member_id not in adopted and m.member_id not in interrupted:
+                if m.member_id not in carried:
                     m.attempts += 1
                 m.status = "running"
                 self.store.update_member(m)
@@ -533,7 +534,7 @@ class Campaign:
                 gpus = launch.gpus_per_member + self._engine_placement().engine_gpus_per_member
                 gpu_seconds += outcome.seconds * gpus
             pending = self._settle(generation, pending, outcomes)
-            interrupted = set()
+            carried = set()
         return gpu_seconds
 
     def _adopt_jobs(self, pending: list[MemberRecord], launcher: LocalLauncher) -> dict[str, str]:
