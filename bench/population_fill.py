@@ -32,7 +32,11 @@ measured. Its tokens are counted as the workers' are.
 ``--worker-batch``: the same members through the campaign's own launcher on ONE long-lived
 worker that takes them all at once (``launch.members_per_batch`` = ``--members``): their
 rollouts in one batch, each member learning in turn; then again with ``launch.batched_train``
-(every member's update in one forward and one backward a micro-batch).
+(every member's update in one forward and one backward a micro-batch). ``--batch-workers 2``
+spreads them over two such workers on the GPU, each batching half (``launch.slots`` and
+``members_per_gpu`` 2, ``members_per_batch`` members / 2; under ``--mps`` their kernels run
+side by side): one worker's host-side gaps (the members' bookkeeping, its checkpoint writes)
+filled by the other's passes.
 """
 
 from __future__ import annotations
@@ -121,11 +125,21 @@ def main() -> None:
         "or (no value) both",
     )  # fmt: skip
     parser.add_argument(
+        "--batch-workers", type=int, nargs="+", default=[1],
+        help="with --worker-batch: spread the members over this many long-lived workers on "
+        "the GPU, each batching its share (launch.members_per_gpu = slots = this, "
+        "members_per_batch = members / this); several values: a row each",
+    )  # fmt: skip
+    parser.add_argument(
         "--mps", action="store_true",
         help="run the workers under a private CUDA MPS daemon (kernels of different processes "
         "then run side by side instead of time-sliced)",
     )  # fmt: skip
     args = parser.parse_args()
+    if any(w < 1 or args.members % w for w in args.batch_workers):
+        parser.error(
+            f"--batch-workers {args.batch_workers}: each must divide --members ({args.members})"
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -149,12 +163,19 @@ def main() -> None:
         worker = args.worker_batch
         learning = () if worker is None else (worker or ["in-turn", "batched_train"])
         for train in (mode == "batched_train" for mode in learning):
-            batched = {
-                **manifest,
-                "launch": {"members_per_batch": args.members, "batched_train": train},
-            }
-            label = f"{args.members} in one worker" + (", batched_train" if train else "")
-            rows.append(_campaign(root, args, batched, 1, 1, args.members, mps_env, label))
+            for workers in args.batch_workers:
+                per_batch = args.members // workers
+                batched = {
+                    **manifest,
+                    "launch": {"members_per_batch": per_batch, "batched_train": train},
+                }
+                label = (
+                    f"{args.members} in one worker" if workers == 1
+                    else f"{args.members} in {workers} workers of {per_batch}"
+                ) + (", batched_train" if train else "")  # fmt: skip
+                rows.append(
+                    _campaign(root, args, batched, workers, workers, per_batch, mps_env, label)
+                )
         if args.batched:
             rows.append(_batched(manifest, args, root, group * prompts))
         if mps_env:

@@ -5,7 +5,9 @@ A long-lived worker releases a task once its state is in host memory and writes 
 in the background (:mod:`pbt.worker.serve`). When every task of a call has ended ok or been
 released, the launcher asks its caller for a guess of the next call's tasks (the campaign runs
 selection on the released results, recording nothing) and hands them to idle workers at once,
-one a slot; a task whose parent is still being written (its ``parent_digest`` null) goes only
+as many a slot as its worker runs at once (``launch.members_per_batch``: a worker batching 8
+members handed one would run it alone); a task whose parent is still being written (its
+``parent_digest`` null) goes only
 to the worker writing that parent, which holds its state. The next call *adopts* each task
 handed ahead whose :class:`~pbt.launch.attempt.TaskSpec` and ``task.json`` it is given
 unchanged (for a task handed with a null digest: unchanged but for the digest its parent's
@@ -91,26 +93,28 @@ class HandAhead:
         running: list[Running],
         results: dict[str, ResultMessage],
         start: Callable[[TaskSpec, int], Running | None],
+        per_slot: int = 1,
     ) -> None:
-        """Start ``tasks`` (the next call's) on the ``idle`` slots, one a slot, in order, with
-        ``start(task, slot)`` (None: that slot's worker cannot take it). A task whose parent
-        checkpoint is still being written goes only to the slot of the worker writing it."""
-        idle = list(idle)
+        """Start ``tasks`` (the next call's) on the ``idle`` slots, ``per_slot`` a slot (what
+        its worker runs at once), in order, with ``start(task, slot)`` (None: that slot's
+        worker cannot take it). A task whose parent checkpoint is still being written goes
+        only to the slot of the worker writing it."""
+        room = dict.fromkeys(idle, per_slot)
         writing = {results[r.task.task_id].checkpoint: r for r in running if not r.ended}
         for task in tasks:
             message = TaskMessage.peek(Path(task.task_dir) / TASK_FILE)
             if message is None:
                 continue
-            writer, candidates = None, idle
+            writer, candidates = None, list(room)
             if message.parent_checkpoint and message.parent_digest is None:
                 writer = writing.get(message.parent_checkpoint)
                 if writer is None or task.nproc != 1:
                     continue
                 candidates = [writer.slot]
-            for slot in [s for s in candidates if s in idle]:
+            for slot in [s for s in candidates if room.get(s, 0) > 0]:
                 item = start(task, slot)
                 if item is not None:
-                    idle.remove(slot)
+                    room[slot] -= 1
                     written_by = None if writer is None else Path(writer.task.task_dir)
                     self._handed[task.task_id] = Handed(item, message, written_by)
                     break

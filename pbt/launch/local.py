@@ -262,12 +262,14 @@ class LocalLauncher:
         def start(task: TaskSpec, slot: int) -> Running | None:
             if not self._queues(slot, task):
                 return None
+            before = [h for h in self.hand_ahead.running() if h.slot == slot]
+            before = before or [r for r in running if r.slot == slot]
             item = self._start(-1, task, slot, {r.port for r in running})
-            item.behind = next((r for r in running if r.slot == slot), None)
+            item.behind = before[-1] if before else None
             return item
 
         idle = [slot for slot, held in enumerate(holding) if not held]
-        self.hand_ahead.hand(tasks, idle, running, results, start)
+        self.hand_ahead.hand(tasks, idle, running, results, start, self.takes_together)
         if self.hand_ahead.handed():
             crash_point("ahead")
 
@@ -278,17 +280,23 @@ class LocalLauncher:
     ahead = 0
     """Tasks a slot may be handed beyond the one it runs: a long-lived worker takes its next
     task the moment it releases the current one, without waiting for this controller."""
+    takes_together = 1
+    """Tasks a slot's worker runs at once (a long-lived worker's ``launch.members_per_batch``):
+    as many of the next call's tasks are handed ahead to each idle slot."""
 
     def _next_slot(self, holding: list[list[Running]], task: TaskSpec) -> int | None:
         """The slot that takes ``task`` now: the lowest idle one, else (with :attr:`ahead`)
-        the lowest whose worker can queue it; None: it waits."""
+        the one holding the fewest tasks whose worker can queue it (the lowest of equals), so
+        that workers taking several tasks at once get even shares; None: it waits."""
         for slot, held in enumerate(holding):
             if not held:
                 return slot
-        for slot, held in enumerate(holding):
-            if len(held) <= self.ahead and self._queues(slot, task):
-                return slot
-        return None
+        open_ = [
+            slot
+            for slot, held in enumerate(holding)
+            if len(held) <= self.ahead and self._queues(slot, task)
+        ]
+        return min(open_, key=lambda slot: len(holding[slot]), default=None)
 
     def _queues(self, slot: int, task: TaskSpec) -> bool:
         """Whether ``slot``'s worker can take ``task`` after the one it runs."""

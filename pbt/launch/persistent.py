@@ -75,6 +75,7 @@ class PersistentLauncher(LocalLauncher):
         self.workers_dir = Path(workers_dir)
         self.idle_timeout_s = idle_timeout_s
         self.ahead = 2 * members_per_batch - 1
+        self.takes_together = members_per_batch
         self._workers: dict[int, _Worker] = {}
         for slot in range(self.slots):  # groups a crashed controller left behind
             self.backend.end_orphan_worker(self._folder(slot))

@@ -1,7 +1,8 @@
 """A campaign whose long-lived worker trains ``launch.members_per_batch`` members at once (one
 batched rollout a step, each member learning in turn) against the same campaign one member at a
 time on the same worker: the same decisions and the same checkpoints, bit for bit; and a
-batched campaign whose controller is SIGKILLed mid-generation resumes to the same decisions."""
+campaign of two such workers whose controller is SIGKILLed mid-generation resumes to the same
+decisions."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ PBT = [sys.executable, "-m", "pbt.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same threads in every run: the same sums
 
 
-def _manifest(directory: Path, per_batch: int) -> Path:
-    launch = {**TINY_CAMPAIGN["launch"], "slots": 1, "persistent_workers": True}
+def _manifest(directory: Path, per_batch: int, slots: int = 1) -> Path:
+    launch = {**TINY_CAMPAIGN["launch"], "slots": slots, "persistent_workers": True}
     data = {
         **TINY_CAMPAIGN,
         "budget": {"generations": 2},
@@ -35,10 +36,10 @@ def _manifest(directory: Path, per_batch: int) -> Path:
     return path
 
 
-def _run(manifest: Path, directory: Path) -> None:
+def _run(manifest: Path, directory: Path, env: dict[str, str] = ENV) -> None:
     proc = subprocess.run(
         [*PBT, "run", str(manifest), "--dir", str(directory)],
-        capture_output=True, text=True, timeout=600, env=ENV,
+        capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -62,19 +63,27 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
 @pytest.fixture(scope="module")
 def batched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("batched")
-    _run(_manifest(root, 2), root / "campaign")
+    # checkpoints written as slowly as a GPU member's (1.5 s): the next generation's first
+    # tasks are handed ahead long before the last write ends
+    _run(_manifest(root, 2), root / "campaign", {**ENV, "PBT_DELAY_AT": "checkpoint_write:1.5"})
     return root / "campaign"
 
 
 def test_members_in_one_batch_equal_members_one_at_a_time(one_at_a_time, batched):
     assert _members(batched) == one_at_a_time
-    # the members shared batches: a task's log holds its batch-mate's steps too
-    logs = [p.read_text() for p in (batched / "logs").glob("g000-*.log")]
-    assert any("g000-m00 step" in log and "g000-m01 step" in log for log in logs), logs[:1]
+    # every task ran in a batch of two: its log holds its batch-mate's steps too; in the
+    # generations after the first as well, whose first tasks are handed ahead to the worker
+    # while the last checkpoints are written (two of them, or the first would run alone)
+    for generation in range(2):
+        for log in (batched / "logs").glob(f"g{generation:03d}-*.log"):
+            text = log.read_text()
+            mates = {f"g{generation:03d}-m{i:02d}" for i in range(4)} - {log.name.split(".")[0]}
+            assert any(f"{mate} step" in text for mate in mates), (log.name, text[-2000:])
 
 
 def test_a_killed_batched_campaign_resumes_to_the_same_decisions(one_at_a_time, tmp_path: Path):
-    manifest, directory = _manifest(tmp_path, 2), tmp_path / "killed"
+    """Two workers batching two members each, the controller SIGKILLed mid-generation."""
+    manifest, directory = _manifest(tmp_path, 2, slots=2), tmp_path / "killed"
     proc = subprocess.Popen(
         [*PBT, "run", str(manifest), "--dir", str(directory)],
         stdout=subprocess.DEVNULL,

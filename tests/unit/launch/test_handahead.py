@@ -113,6 +113,28 @@ def test_a_child_of_a_parent_being_written_goes_only_to_the_slot_writing_it(tmp_
     assert ahead.handed() == {"b0", "b1"}
 
 
+def test_a_worker_that_runs_tasks_together_is_handed_that_many(tmp_path, workers):
+    """With ``per_slot`` (a worker's ``launch.members_per_batch``), each idle slot is handed up
+    to that many tasks, in order, so its worker starts them as one batch; a child of a parent
+    being written still goes only to the writer's slot, while it has room."""
+    writers = [_running(_spec(tmp_path, _message(f"a{i}")), i, workers()) for i in range(2)]
+    results = {f"a{i}": _result(f"a{i}", None) for i in range(2)}
+    tasks = [_spec(tmp_path, _message(f"b{i}", f"a{i % 2}")) for i in range(6)]
+    started: list[tuple[str, int]] = []
+
+    def start(task: TaskSpec, slot: int) -> Running | None:
+        started.append((task.task_id, slot))
+        return _running(task, slot, workers(), released=False)
+
+    ahead = HandAhead()
+    ahead.hand(tasks, [0, 1], writers, results, start, per_slot=2)
+    assert started == [("b0", 0), ("b1", 1), ("b2", 0), ("b3", 1)]  # b4, b5: no room left
+    on_disk = [_spec(tmp_path, _message(f"c{i}", "a0", "d0")) for i in range(3)]
+    started.clear()
+    HandAhead().hand(on_disk, [0, 1], writers, results, start, per_slot=2)
+    assert started == [("c0", 0), ("c1", 0), ("c2", 1)]
+
+
 def test_adopted_are_the_unchanged_tasks_on_live_workers(tmp_path: Path, workers):
     writer = _running(_spec(tmp_path, _message("a1")), 0, workers())
     _result("a1", "d1").write(writer.task.task_dir / RESULT_FILE)  # the write has ended

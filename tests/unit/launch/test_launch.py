@@ -515,8 +515,9 @@ SERVING_MEMBER = textwrap.dedent(
 )
 
 
-def serving_launcher(tmp_path: Path, slots: int = 1):
-    """``slots`` slots (default one) of long-lived workers running SERVING_MEMBER."""
+def serving_launcher(tmp_path: Path, slots: int = 1, members_per_batch: int = 1):
+    """``slots`` slots (default one) of long-lived workers running SERVING_MEMBER, handed
+    ``members_per_batch`` tasks at a time."""
     from pbt.launch.persistent import PersistentLauncher
 
     script = tmp_path / "serving_member.py"
@@ -527,6 +528,7 @@ def serving_launcher(tmp_path: Path, slots: int = 1):
         slots=slots,
         heartbeat_timeout_s=6.0,  # a worker's first heartbeat follows its imports
         poll_s=0.05,
+        members_per_batch=members_per_batch,
     )
 
 
@@ -552,6 +554,20 @@ def test_long_lived_worker_serves_tasks_in_turn_and_is_replaced_after_a_fault(tm
     assert "exit code 1" in outcomes[3].detail
     assert "no heartbeat" in outcomes[5].detail
     assert wait_dead(worker.pid)
+
+
+def test_workers_that_batch_get_even_shares(tmp_path):
+    """Two slots whose workers take 4 tasks at a time (``launch.members_per_batch: 4``): the 8
+    tasks of a call are handed 4 to each, not as many as the first slot's inbox holds."""
+    workers = serving_launcher(tmp_path, slots=2, members_per_batch=4)
+    tasks = [make_task(tmp_path, f"t{i}", "ok") for i in range(8)]
+    try:
+        outcomes = workers.run(tasks)
+    finally:
+        workers.close()
+    assert [o.status for o in outcomes] == ["ok"] * 8
+    served = [seen(o)["pid"] for o in outcomes]
+    assert sorted(served.count(pid) for pid in set(served)) == [4, 4], served
 
 
 def test_long_lived_worker_gets_its_next_task_ahead_with_clocks_that_wait(tmp_path):
