@@ -22,8 +22,9 @@ from pbt.config.sections.campaign import (
     SearchConfig,
     TrackingConfig,
 )
+from pbt.config.sections.fsdp import FSDPConfig
 from pbt.config.sections.model import LoRAConfig, ModelConfig, OptimConfig, locate_model
-from pbt.config.sections.rollout import RolloutConfig, dedicated_problems
+from pbt.config.sections.rollout import RolloutConfig, dedicated_problems, engine_count
 from pbt.config.sections.task import BUILTIN_TASKS, HUB_PREFIX, REASONING_GYM_PREFIX, TaskConfig
 from pbt.config.sections.training import DistributedConfig, TrainingConfig
 
@@ -92,6 +93,20 @@ class Manifest:
                 "parallel members, or set compile: false"
             )
         return problems
+
+    @property
+    def worker_batch(self) -> int:
+        """Members a campaign's long-lived worker trains as one batch: ``launch.members_per_batch``
+        where a worker can (long-lived workers on this machine, not Slurm's; one rank a member;
+        an in-process engine, ``hf`` or ``static``; an unsharded model; no dedicated engines),
+        else 1."""
+        launch = self.launch
+        if not launch.persistent_workers or launch.backend == "slurm" or launch.ranks != 1:
+            return 1
+        sharded = FSDPConfig.from_value(self.distributed.fsdp) is not None
+        engines = engine_count(launch.rollout_gpus_per_member, launch.ranks, self.rollout.mode)
+        in_process = self.rollout.engine in ("hf", "static")
+        return launch.members_per_batch if in_process and not sharded and not engines else 1
 
     def notes(self) -> list[str]:
         """What a user should know before a run that is not a problem (``pbt check`` and

@@ -618,8 +618,9 @@ class Campaign:
                 self.say(self._mps.note)
             env.update(self._mps.env)
         return build_launcher(
-            launch, self.dir, self.member_command, env, self.hand_ahead, placement
-        )
+            launch, self.dir, self.member_command, env, self.hand_ahead, placement,
+            self.manifest.worker_batch,
+        )  # fmt: skip
 
     def _engine_placement(self) -> Placement:
         """Where the members' rollout engines run (:mod:`pbt.launch.placement`), decided once

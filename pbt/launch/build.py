@@ -46,6 +46,7 @@ def build_launcher(
     env: dict[str, str],
     hand_ahead: HandAhead,
     placement: Placement = COLOCATED,
+    members_per_batch: int = 1,
 ) -> LocalLauncher:
     """The launcher for ``launch`` in campaign ``directory``.
 
@@ -56,6 +57,8 @@ def build_launcher(
         hand_ahead: where tasks handed ahead to long-lived workers are kept between calls.
         placement: where the members' rollout engines run (:mod:`pbt.launch.placement`): each
             slot's GPUs, and on Slurm the engine GPUs each job asks for.
+        members_per_batch: tasks a long-lived worker runs together (the manifest's
+            :attr:`~pbt.config.Manifest.worker_batch`).
     """
     gpus, config = launch.gpus_per_member, launch.slurm
     if launch.backend == "slurm":
@@ -77,10 +80,10 @@ def build_launcher(
     }
     command = command or backend.member_command()
     if launch.persistent_workers:
-        batch = launch.members_per_batch if launch.backend != "slurm" else 1
         launcher = PersistentLauncher(
-            command, workers_dir=directory / "workers", members_per_batch=batch, **common
-        )
+            command, workers_dir=directory / "workers", members_per_batch=members_per_batch,
+            **common,
+        )  # fmt: skip
     else:
         launcher = LocalLauncher(command, **common)
     if placement.slot_devices:

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pbt.config.sections.fsdp import FSDPConfig
-from pbt.config.sections.rollout import engine_count
 from pbt.protocol.files import Heartbeat, read_json
 from pbt.protocol.messages import ResultMessage, TaskMessage
 from pbt.protocol.paths import inside
@@ -50,14 +48,8 @@ class Ran:
 
 def batch_size(task: TaskMessage, world_size: int) -> int:
     """How many tasks a worker runs together with ``task``: its manifest's
-    ``launch.members_per_batch`` on one rank with an in-process engine, unsharded; else 1."""
-    manifest = _manifest(task)
-    launch = manifest.launch
-    k = launch.members_per_batch
-    sharded = FSDPConfig.from_value(manifest.distributed.fsdp) is not None
-    engines = engine_count(launch.rollout_gpus_per_member, launch.ranks, manifest.rollout.mode)
-    in_process = manifest.rollout.engine in ("hf", "static")
-    return k if k > 1 and world_size == 1 and in_process and not sharded and not engines else 1
+    :attr:`~pbt.config.Manifest.worker_batch` on one rank; else 1."""
+    return _manifest(task).worker_batch if world_size == 1 else 1
 
 
 def gather(folder: Path, number: int, first: TaskMessage, size: int) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ def _task(launch: dict, rollout: dict | None = None) -> TaskMessage:
         ({"rollout_gpus_per_member": "auto"}, None, 1, 4),  # auto with sync rollouts: no engine
         ({"rollout_gpus_per_member": "auto"}, {"mode": "async", "max_staleness": 1}, 1, 1),
         ({"rollout_gpus_per_member": 1}, {"mode": "async", "max_staleness": 1}, 1, 1),
+        ({"backend": "slurm"}, None, 1, 1),  # a member task runs alone in its job there
     ],
 )
 def test_a_worker_batches_members_only_where_one_process_samples_for_them(
