@@ -104,14 +104,17 @@ def report(
         if terms:
             lines += [f"  {title}", *(_row(t, "    ") for t in terms)]
     members = result.members_per_gpu
+    k = plan.members_per_batch
+    who = f"{members} member{'s' if members > 1 else ''}"
+    if k > 1:
+        who = f"{members} worker{'s' if members > 1 else ''} of {k} members"
     lines += [
         _row(Term("peak per rank", result.peak, f"persistent + {phase}"), "  "),
         _row(
             Term(
                 "per GPU",
                 result.per_gpu,
-                f"{members} member{'s' if members > 1 else ''} x (peak + {CUDA_CONTEXT_GIB:g} "
-                "GiB CUDA context)",
+                f"{who} x (peak + {CUDA_CONTEXT_GIB:g} GiB CUDA context)",
             ),
             "  ",
         ),
@@ -127,13 +130,21 @@ def _header(manifest: Manifest, shape: ModelShape, plan: Plan) -> list[str]:
         f"model {manifest.model.name}: {shape.layers} layers, hidden {shape.hidden}, "
         f"{count_text(shape.params())} parameters, {plan.weight_bytes}-byte weights"
         + (" (the blocks' projections 4-bit: model.quantization)" if plan.quantized else ""),
-        f"each rank: {plan.micro_batch * plan.per_example} sequences per training forward x "
+        f"each rank: {plan.micro_batch * plan.per_example * plan.together} sequences per "
+        "training forward x "
         f"({plan.prompt_tokens} prompt (--prompt-tokens) + {plan.completion_tokens} completion "
         f"tokens); {plan.rollouts} sequences decoded at once ({plan.engine}); LoRA r "
         f"{plan.lora_r} on {adapted} projections",
         f"ranks per member: {plan.ranks}{' (FSDP2)' if plan.fsdp else ''}; activation "
         f"checkpointing {_on(plan.checkpointing)}, offloading {_on(plan.offloading)}",
     ]
+    if plan.members_per_batch > 1:
+        k = plan.members_per_batch
+        updates = "in one forward a micro-batch (batched_train)" if plan.together > 1 else "in turn"
+        lines.append(
+            f"a worker hosts {k} members on one base (launch.members_per_batch): their "
+            f"rollouts in one batch of {k} x {plan.rollouts} sequences, their updates {updates}"
+        )
     if manifest.launch.gpus_per_member == 0:
         lines.append(
             "note: launch.gpus_per_member is 0, so a campaign's members train on the CPU; "

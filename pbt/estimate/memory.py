@@ -33,6 +33,16 @@ grouped-query attention through SDPA, a gated MLP), LoRA on its projections, on 
 peak = persistent + max(training, rollout); a GPU holds ``launch.members_per_gpu`` members, each
 a process with its own base and :data:`CUDA_CONTEXT_GIB` of CUDA context outside torch's count.
 
+A long-lived worker batching K members (``launch.members_per_batch``, where
+:attr:`~pbt.config.Manifest.worker_batch` says a worker does) is one such process: one base, the
+adapter slot, each member's adapter and AdamW moments (12 bytes a parameter), the stacked
+adapters its per-row kernels read (4), and the static cache and sampling logits of the K
+members' rows. With ``launch.batched_train`` a training forward takes the K members'
+micro-batches: per token, the adapters' inputs shared and the stacked kernel's products every
+member's ``r`` wide (counted on the CPU through the per-row kernels, exactly, by the tests),
+plus the stacked adapters' gradients and the copies a forward keeps of them. The batch's
+terms are first principles and CPU counts; no GPU peak of a batched worker has been compared.
+
 Checked against the H200 figures of ``bench/RESULTS.md`` (allocator peaks, random-weight
 Qwen2.5 shapes, LoRA r 16 on every projection, prompt 64 + completion 448 tokens): the train step
 at 0.5B x 16 sequences, mixed precision, measured 14.3 GiB, estimated 14.3; 1.5B x 16: 28.7
@@ -152,6 +162,19 @@ class Plan:
     """A frozen output layer's rows get their gradient in the forward pass, beside the
     log-probs (``GRADIENT_IN_FORWARD`` of ``pbt.algorithms.rollout.hf``); off, its logits are
     recomputed in the backward pass."""
+    members_per_batch: int = 1
+    """Members one long-lived worker hosts on its base and samples as one batch (the
+    manifest's :attr:`~pbt.config.Manifest.worker_batch`): the plan is then a worker's."""
+    batched_train: bool = False
+    """``launch.batched_train``: the batch's updates in one forward a micro-batch too."""
+    stacked: bool = True
+    """The batch's per-row LoRA kernel is ``stacked`` (``launch.lora_kernel``; ``auto`` is
+    stacked on a GPU), whose inner products are every member's ``r`` wide."""
+
+    @property
+    def together(self) -> int:
+        """Members whose rows one training forward takes."""
+        return self.members_per_batch if self.batched_train else 1
 
     @property
     def sequence(self) -> int:
@@ -194,6 +217,9 @@ def plan_from_manifest(manifest: Manifest, prompt_tokens: int = DEFAULT_PROMPT_T
         quantized=quant is not None,
         double_quant=quant is None or quant.double_quant,
         compute_bytes=4 if quant is not None and quant.compute_dtype == "float32" else 2,
+        members_per_batch=manifest.worker_batch,
+        batched_train=launch.batched_train and manifest.worker_batch > 1,
+        stacked=launch.lora_kernel != "segmented",
     )
 
 
@@ -261,19 +287,24 @@ def layer_bytes(shape: ModelShape, plan: Plan) -> int:
       projection keeps its own copy; otherwise the inputs are shared: one normed hidden state
       for q, k, v, one for gate and up, and the MLP's product for down (o's input is SDPA's
       output, already counted). peft's 4-bit LoRA layer skips that cast under autocast, so
-      on a 4-bit base with mixed precision the inputs are shared too.
+      on a 4-bit base with mixed precision the inputs are shared too; so do the per-row
+      kernels of a batched train step (:mod:`pbt.algorithms.runtime.lora_batch`), whose
+      stacked kernel keeps every member's ``r`` columns of ``lora_A``'s output (masked) for
+      each row.
     """
     b = 2 if plan.weight_bytes == 2 else 4
     half_adapter = plan.weight_bytes == 2 and (plan.fsdp or plan.autocast)
     a = 2 if half_adapter else 4
     uncast = plan.quantized and plan.autocast and not plan.generic_lora_on_4bit
+    uncast |= plan.together > 1 and plan.autocast  # the per-row kernels skip the cast too
     copies = plan.weight_bytes == 2 and not plan.fsdp and not uncast
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     adapted = [p for p in plan.adapted if p in PROJECTIONS]
     norms = 2 * 4 * (h + 1) + (4 * (q + kv + shape.heads + shape.kv_heads) if shape.qk_norm else 0)
     attention = b * (2 * q + 2 * kv) + 4 * shape.heads
     mlp = b * 3 * i
-    lora_out = a * plan.lora_r * len(adapted)
+    wide = plan.together if plan.stacked else 1  # the stacked kernel's every-member products
+    lora_out = a * plan.lora_r * wide * len(adapted)
     if copies:
         lora_in = a * sum(shape.projections()[p][0] for p in adapted)
     else:
@@ -376,12 +407,20 @@ def _persistent(shape: ModelShape, plan: Plan) -> list[Term]:
         how = f"{count_text(params)} parameters x {plan.weight_bytes} bytes{split}"
         terms.append(Term("base weights", params * plan.weight_bytes / share, how))
     n = adapter_params(shape, plan)
+    k = plan.members_per_batch
     parts = ["float32 weight 4", "gradient 4"]
-    parts += [] if plan.moments_on_host else ["AdamW moments 8"]
+    parts += [] if plan.moments_on_host or k > 1 else ["AdamW moments 8"]
     parts += ["half copy 2"] if plan.autocast else []
     per = sum(int(p.rsplit(" ", 1)[1]) for p in parts)
     how = f"{count_text(n)} parameters x {per} bytes ({', '.join(parts)}){split}"
-    terms.append(Term("adapter, gradients, optimizer", n * per / share, how))
+    if k == 1:
+        terms.append(Term("adapter, gradients, optimizer", n * per / share, how))
+        return terms
+    terms.append(Term("adapter slot, gradients", n * per, how))
+    how = f"{k} x {count_text(n)} parameters x 12 bytes (float32 weight 4, AdamW moments 8)"
+    terms.append(Term(f"{k} members' adapters, optimizers", k * n * 12, how))
+    how = f"{k} x {count_text(n)} parameters x 4 bytes (every member's A and B, float32)"
+    terms.append(Term("stacked adapters of the batch", k * n * 4, how))
     return terms
 
 
@@ -394,14 +433,16 @@ def _static_cache(shape: ModelShape, plan: Plan) -> list[Term]:
     if plan.engine != "static" or not plan.rollouts:
         return []
     length = -(-plan.sequence // STATIC_LENGTH_BUCKET) * STATIC_LENGTH_BUCKET
-    rows = plan.rollouts + plan.eval_rollouts
+    k = plan.members_per_batch
+    rows = k * (plan.rollouts + plan.eval_rollouts)
     how = f"({plan.rollouts} + {plan.eval_rollouts} eval) sequences x {length} tokens, kept"
+    how = how if k == 1 else f"{k} members x {how}"
     how += " (up to 4 shapes are)"
     return [Term("static KV cache", rows * length * _kv_bytes_per_token(shape, plan), how)]
 
 
 def _rollout(shape: ModelShape, plan: Plan) -> list[Term]:
-    rows = max(plan.rollouts, plan.eval_rollouts)
+    rows = plan.members_per_batch * max(plan.rollouts, plan.eval_rollouts)
     if not rows or plan.engine == "vllm":
         return []
     terms = []
@@ -425,6 +466,19 @@ def _training(shape: ModelShape, plan: Plan) -> tuple[list[Term], list[Term]]:
     held, working = _activations(shape, plan, host)
     logits = _logits(shape, plan)
     terms = [held, logits]
+    if plan.together > 1:
+        n, k = adapter_params(shape, plan), plan.together
+        how = f"{k} x {count_text(n)} parameters x 4 bytes"
+        terms.append(Term("stacked adapters' gradients", k * n * 4, how))
+        if plan.autocast:  # the products' half copies of every member's A and B
+            how = f"{k} x {count_text(n)} parameters x 2 bytes, a forward's"
+            terms.append(Term("stacked adapters' half copies", k * n * 2, how))
+        elif plan.stacked:  # every member's B side by side, a float32 copy a forward keeps
+            b = shape.layers * sum(
+                plan.lora_r * shape.projections()[p][1] for p in plan.adapted if p in PROJECTIONS
+            )
+            how = f"{k} x {count_text(b)} parameters of B x 4 bytes, a forward's"
+            terms.append(Term("stacked B, side by side", k * b * 4, how))
     if working is not None and working.bytes > logits.bytes:
         how = f"{working.how} ({working.bytes / GIB:.2f} GiB), beyond the logits' memory it reuses"
         terms.append(Term("backward working set", working.bytes - logits.bytes, how))
@@ -464,7 +518,7 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
     - both: the head's input and the latest block input in flight; in backward one block
       recomputed from its input brought back, with the MLP's gradients, and the prefetch.
     """
-    sequences = plan.micro_batch * plan.per_example
+    sequences = plan.micro_batch * plan.per_example * plan.together
     tokens = sequences * plan.sequence
     layer = layer_bytes(shape, plan) * tokens
     block_input = shape.hidden * plan.weight_bytes * tokens
@@ -498,7 +552,7 @@ def _activations(shape: ModelShape, plan: Plan, host: list[Term]) -> tuple[Term,
 
 
 def _logits(shape: ModelShape, plan: Plan) -> Term:
-    rows = plan.micro_batch * plan.per_example * plan.completion_tokens
+    rows = plan.micro_batch * plan.per_example * plan.together * plan.completion_tokens
     if not shape.softcapped and "lm_head" not in plan.adapted:
         held = min(rows, max(64, LOGIT_CHUNK_BYTES // (4 * shape.vocab)))
         chunk = f"a chunk of {held} rows x {shape.vocab} vocabulary"
@@ -510,7 +564,7 @@ def _logits(shape: ModelShape, plan: Plan) -> Term:
         return Term(
             "log-prob logits", LOGIT_COPIES_IN_FORWARD * held * shape.vocab * 4 + gradient, how
         )
-    tokens = plan.micro_batch * plan.per_example * plan.sequence
+    tokens = plan.micro_batch * plan.per_example * plan.together * plan.sequence
     full = tokens * shape.vocab * plan.weight_bytes + 3 * rows * shape.vocab * 4
     why = "an adapted output layer" if "lm_head" in plan.adapted else "post-processed logits"
     return Term("logits", full, f"the full logits ({why}: no lean log-prob path)")
@@ -561,6 +615,12 @@ def advice(shape: ModelShape, plan: Plan, gpu_bytes: float, gpus: int = 1) -> li
         tries = [
             knob(f"launch.members_per_gpu: {k}", members_per_gpu=k)
             for k in range(plan.members_per_gpu - 1, 0, -1)
+        ]
+        knobs.append(next((k for k in tries if fits(k)), tries[-1]))
+    if plan.members_per_batch > 1:
+        tries = [
+            knob(f"launch.members_per_batch: {k}", members_per_batch=k)
+            for k in range(plan.members_per_batch - 1, 0, -1)
         ]
         knobs.append(next((k for k in tries if fits(k)), tries[-1]))
     if plan.vllm_share > 0.1:

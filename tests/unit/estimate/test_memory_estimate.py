@@ -168,6 +168,52 @@ def test_rollout_and_sharing_terms():
     assert three.per_gpu == 3 * (three.peak + 0.5 * GIB)
 
 
+def test_a_batch_of_members_is_what_its_worker_holds(tmp_path: Path):
+    """A worker batching 3 members (``launch.members_per_batch: 3``): the estimate's members'
+    adapters and AdamW moments and the stacked adapters equal what a real population of 3 on
+    one base holds after a step of each (the tiny model, CPU); the rollout and the static cache
+    take the 3 members' rows; ``batched_train`` adds their rows to a training forward; the
+    knob that lowers it is a smaller batch."""
+    from pbt import create_population
+
+    sections = small_sections(
+        tmp_path, rollout={"engine": "static"}, launch={"members_per_batch": 3}
+    )  # fmt: skip
+    manifest = manifest_from_dict(sections, base_dir=tmp_path)
+    plan = plan_from_manifest(manifest)
+    assert (plan.members_per_batch, plan.batched_train, plan.together) == (3, False, 1)
+    pop = create_population(config=sections, population_size=3)
+    for agent in pop:
+        prompts = agent.sample_prompts()
+        batch = pop.get_actions({agent: prompts})[agent]
+        agent.learn(batch, agent.reward(prompts, batch))
+    pop.get_actions({agent: agent.sample_prompts() for agent in pop})  # the stacked adapters
+    held = pop.memory_bytes()
+    shared = pop._shared()
+    stacked = sum(
+        t.numel() * t.element_size() for t in shared.row_adapters.a + shared.row_adapters.b
+    )
+    shape = read_model_shape(manifest)
+    result = estimate(shape, plan)
+    steps = 3 * 4 * len(shared.params)  # AdamW's step count: a float32 scalar a tensor
+    assert _term(result.persistent, "3 members' adapters, optimizers") + steps == held["members"]
+    assert _term(result.persistent, "stacked adapters of the batch") == stacked
+    alone = estimate(shape, dataclasses.replace(plan, members_per_batch=1))
+    assert _term(result.persistent, "static KV cache") == 3 * _term(
+        alone.persistent, "static KV cache"
+    )
+    assert _term(result.rollout, "sampling logits") == 3 * _term(alone.rollout, "sampling logits")
+    assert result.training == alone.training  # the members learn in turn
+    batched = dataclasses.replace(plan, batched_train=True)
+    together = estimate(shape, batched)
+    tokens = 3 * plan.micro_batch * plan.sequence  # the 3 members' rows in one forward
+    per_token = shape.layers * layer_bytes(shape, batched) + (4 + 2) * shape.hidden
+    assert _term(together.training, "activations") == tokens * per_token
+    assert "stacked adapters' gradients" in {t.name for t in together.training}
+    knobs = advice(shape, plan, gpu_bytes=together.per_gpu / 2)
+    assert any(k.setting == "launch.members_per_batch: 1" for k in knobs)
+
+
 def _term(terms, name: str) -> float:
     (value,) = [t.bytes for t in terms if t.name == name]
     return value
@@ -198,12 +244,17 @@ def _config(layers: int) -> dict:
     }  # fmt: skip
 
 
-def _saved_bytes(layers: int, autocast: bool) -> int:
+def _saved_bytes(layers: int, autocast: bool, members: int = 1, kernel: str = "") -> int:
+    """Bytes of the storages a training forward saves: one member's (``sequence_logprobs``),
+    or with ``members`` > 1 a batched pass of that many members' rows through ``kernel``."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from pbt.algorithms.passes import LogProbs
     from pbt.algorithms.rollout.hf import RolloutBatch, sequence_logprobs
+    from pbt.algorithms.runtime.lora_batch import RowAdapters
     from pbt.algorithms.runtime.models import add_lora
+    from pbt.algorithms.runtime.population_train import logprobs_together
     from pbt.config import LoRAConfig
 
     torch.manual_seed(0)
@@ -218,17 +269,58 @@ def _saved_bytes(layers: int, autocast: bool) -> int:
     batch = RolloutBatch(ids[:, :8], torch.ones(2, 8, dtype=torch.long), ids[:, 8:],
                          torch.ones(2, 16), ["", ""])  # fmt: skip
     storages: dict[int, int] = {}
+    held: set[int] = set()  # the stacked adapters: held anyway (the estimate's persistent term)
 
     def pack(t):
         base = t._base if t._base is not None else t
-        if not isinstance(base, torch.nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        pointer = t.untyped_storage().data_ptr()
+        if not isinstance(base, torch.nn.Parameter) and pointer not in held:
+            storages[pointer] = t.untyped_storage().nbytes()
         return t
 
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    if members == 1:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            sequence_logprobs(model, batch, 1.0)
+        return sum(storages.values())
+    adapters = RowAdapters(model, members)
+    for slot in range(members):
+        with torch.no_grad():
+            for param in (p for p in model.parameters() if p.requires_grad):
+                param.normal_(0.0, 0.02)
+        adapters.load_from_model(slot)
+    for t in adapters.a + adapters.b:
+        t.requires_grad_(True)
+        held.add(t.untyped_storage().data_ptr())
+    asks = {f"m{i}": LogProbs(batch, 1.0, grad=True) for i in range(members)}
+    slots = {member_id: slot for slot, member_id in enumerate(asks)}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        sequence_logprobs(model, batch, 1.0)
+        logprobs_together(model, adapters, slots, asks, kernel)
     return sum(storages.values())
+
+
+@pytest.mark.parametrize("kernel", ["segmented", "stacked"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_batched_train_pass_saves_what_the_estimate_says(kernel: str, autocast: bool):
+    """The same count for ``launch.batched_train``'s forward of 3 members' rows through the
+    per-row kernels (``logprobs_together``): each block saves :func:`layer_bytes` of the
+    batch's plan per token (the inputs shared, the stacked kernel's products every member's
+    ``r`` wide), and under autocast the half copies of every member's adapter, which the
+    estimate counts with the stacked adapters' gradients."""
+    members = 3
+    saved = {layers: _saved_bytes(layers, autocast, members, kernel) for layers in (2, 3)}
+    shape = shape_from_config(_config(2), "test")
+    plan = Plan(
+        weight_bytes=2 if autocast else 4, autocast=autocast, lora_r=8, micro_batch=2,
+        members_per_batch=members, batched_train=True, stacked=kernel == "stacked",
+    )  # fmt: skip
+    tokens = members * 2 * 24
+    copies = {"stacked adapters' half copies", "stacked B, side by side"}
+    terms = memory._training(shape, plan)[0]
+    per_block = sum(t.bytes for t in terms if t.name in copies) // shape.layers
+    assert saved[3] - saved[2] == layer_bytes(shape, plan) * tokens + per_block
+    alone = dataclasses.replace(plan, members_per_batch=1, batched_train=False)
+    assert layer_bytes(shape, plan) != layer_bytes(shape, alone) or not autocast
 
 
 def test_a_recomputed_block_holds_the_mlp_gradients_beside_its_saved_tensors():
