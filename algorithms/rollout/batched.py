@@ -216,7 +216,8 @@ class BatchedDecoder(StaticDecoder):
         max_new = cfg.max_output_tokens
         length = -(-(width + max_new) // LENGTH_BUCKET) * LENGTH_BUCKET
         samplings = tuple(m.sampling for m in members)
-        key = (batch, length, max_new, segments, samplings, kernel, autocast_dtype)
+        made = getattr(self.model, "pbt_row_adapters_made", 0)  # the stacked tensors' set
+        key = (batch, length, max_new, segments, samplings, kernel, autocast_dtype, made)
         state = self._states.pop(key, None)
         start_states = [m.generator.get_state() for m in members]
         with self._context(autocast_dtype):

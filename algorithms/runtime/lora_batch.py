@@ -115,6 +115,9 @@ class RowAdapters:
             self.b.append(b.new_zeros((slots, *b.shape)).requires_grad_(False))
         self.finite = [True] * slots
         """Whether each slot's adapter is finite (checked as it is loaded)."""
+        # a graph captured through these tensors reads them by address: the batched decoder
+        # keys its graphs by this count, so a set made after them captures its own
+        model.pbt_row_adapters_made = getattr(model, "pbt_row_adapters_made", 0) + 1
         self._kept: dict[tuple, Tensor] = {}
         self._masks = self._kept
 

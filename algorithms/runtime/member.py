@@ -100,6 +100,11 @@ class Host:
         from (this rank's shards under FSDP2)."""
         seed_everything(manifest.training.seed + self.world.rank)
         self.task: Task = load_data(manifest)
+        self.row_adapters = None
+        """Every member's adapter stacked for batches of several members
+        (:class:`~pbt.algorithms.runtime.lora_batch.RowAdapters`), made on the first batch and
+        kept with the model: the batched decoder's captured graphs read these tensors, so
+        every batch this host runs loads its members into the same ones."""
         self.rollout_engine = None
         """This rank's dedicated rollout engine process (``launch.rollout_gpus_per_member``),
         started by the first member that trains here (:mod:`pbt.algorithms.rollout.dedicated`)."""

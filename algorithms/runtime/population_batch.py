@@ -138,11 +138,15 @@ def _one_batch(
 
 
 def row_adapters(shared: SharedMembers, slots: int) -> RowAdapters:
-    """``shared``'s stacked adapters, made (or remade larger) to hold ``slots`` members."""
-    if shared.row_adapters is None or shared.row_adapters.slots < slots:
+    """The stacked adapters of ``shared``'s host, made (or remade larger) to hold ``slots``
+    members. They are the host's, not the members' holder's: a long-lived worker makes a
+    holder per batch of tasks, and its batches reuse one set (and the graphs captured on it)."""
+    host = shared.host
+    if host.row_adapters is None or host.row_adapters.slots < slots:
         per_batch = shared.manifest.launch.members_per_batch
-        shared.row_adapters = RowAdapters(shared.host.model, max(slots, per_batch))
-    return shared.row_adapters
+        host.row_adapters = RowAdapters(host.model, max(slots, per_batch))
+    shared.row_adapters = host.row_adapters
+    return host.row_adapters
 
 
 def _generator(rng: dict[str, Any], device: torch.device) -> torch.Generator:

@@ -101,6 +101,51 @@ def test_members_in_lock_step_train_as_alone_bit_for_bit(tmp_path, alone):
         assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
 
 
+def test_a_hosts_next_batch_reuses_its_stacked_adapters_and_trains_as_alone(tmp_path, alone):
+    """A long-lived worker makes a holder of members per batch of tasks, on its one host: the
+    next batch loads its members into the first one's stacked adapters, which the batched
+    decoder's captured graphs read, and trains as alone; a larger batch makes a new set, and
+    the decoder keys its graphs by the set."""
+    first = _shared(tmp_path, 3, False)
+    train_together(first, list(first.members), 1)
+    stacked, model = first.row_adapters, first.host.model
+    second = SharedBase(first.manifest, CPU, host=first.host)
+    for i, values in enumerate(HYPERPARAMETERS):
+        second.add(f"m{i}", seed=100 + i).learner.apply_hyperparameters(values)
+    trained = train_together(second, list(second.members), 2)
+    assert second.row_adapters is stacked
+    for member_id, (history, state) in alone.items():
+        assert _without_timings(trained[member_id].history) == _without_timings(history)
+        together = _state(second, member_id)
+        assert all(torch.equal(a, b) for a, b in zip(state, together, strict=True)), member_id
+    made = model.pbt_row_adapters_made
+    assert row_adapters(second, 4) is not stacked
+    assert model.pbt_row_adapters_made == made + 1
+
+
+def test_the_batched_decoder_keys_its_graphs_by_the_stacked_adapters(tmp_path):
+    manifest = small_manifest(
+        tmp_path,
+        rollout={"engine": "static", "max_output_tokens": 4},
+        launch={"members_per_batch": 2},
+    )
+    shared = SharedBase(manifest, CPU)
+    for i in range(2):
+        shared.add(f"m{i}", seed=i)
+    train = shared.host.task.train
+    questions = {
+        m: [ex.chat for ex in shared.member(m).learner.sample_prompts(train)]
+        for m in shared.members
+    }
+    shared.complete_all(questions)
+    model = shared.host.model
+    (key,) = model.pbt_batched_decoder._states
+    assert key[-1] == model.pbt_row_adapters_made
+    row_adapters(shared, 3)  # remade larger: a new set, so a layout is captured anew
+    shared.complete_all(questions)
+    assert {k[-1] for k in model.pbt_batched_decoder._states} == {key[-1], key[-1] + 1}
+
+
 @pytest.mark.parametrize("kernel", ["auto", "stacked"])
 def test_a_batched_train_step_learns_each_member_as_alone(tmp_path, alone, kernel):
     """``launch.batched_train`` in the training loop: the first step's rollouts are each
