@@ -37,6 +37,11 @@ spreads them over two such workers on the GPU, each batching half (``launch.slot
 ``members_per_gpu`` 2, ``members_per_batch`` members / 2; under ``--mps`` their kernels run
 side by side): one worker's host-side gaps (the members' bookkeeping, its checkpoint writes)
 filled by the other's passes.
+
+``--large-batch``: one member sampling and training all the population's rows a step
+(``prompts_per_step`` x ``--members``) through one adapter, on the same launcher: the rate the
+same rows reach without per-row adapters or per-member bookkeeping, which the table's last
+column divides each row's rate by (the share of the large-batch rate a population reaches).
 """
 
 from __future__ import annotations
@@ -125,6 +130,12 @@ def main() -> None:
         "or (no value) both",
     )  # fmt: skip
     parser.add_argument(
+        "--large-batch", action="store_true",
+        help="also run ONE member with --members times the prompts a step through the same "
+        "launcher: the population's rows through one adapter, the rate a batch could reach "
+        "(the table's share column)",
+    )  # fmt: skip
+    parser.add_argument(
         "--batch-workers", type=int, nargs="+", default=[1],
         help="with --worker-batch: spread the members over this many long-lived workers on "
         "the GPU, each batching its share (launch.members_per_gpu = slots = this, "
@@ -178,6 +189,11 @@ def main() -> None:
                 )
         if args.batched:
             rows.append(_batched(manifest, args, root, group * prompts))
+        if args.large_batch:
+            algorithm = {**manifest["algorithm"], "prompts_per_step": prompts * args.members}
+            label = f"1 member of {args.members}x the rows"
+            large = {**manifest, "algorithm": algorithm}
+            rows.append(_campaign(root, args, large, 1, 1, 1, mps_env, label, members=1))
         if mps_env:
             subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
                            env={**os.environ, **mps_env}, check=False)  # fmt: skip
@@ -187,11 +203,13 @@ def main() -> None:
         f"{args.steps} steps, {group} x {prompts} completions of up to 32 tokens a step; the "
         f"last of {args.generations} generations{'; under CUDA MPS' if args.mps else ''}\n"
     )
+    large = next((r for r in rows if r[0].startswith("1 member of")), None)
+    share = " share of one large batch |" if large else ""
     print(
         "| members | wall s | population tok/s | vs one at a time | every result known, s | "
-        "vs one at a time | GPU busy | GPU memory in use | a member's peak |"
+        f"vs one at a time | GPU busy | GPU memory in use | a member's peak |{share}"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if large else ""))
     first = next((r for r in rows if r[0] == "1 at once"), rows[0])
     for k, wall, rate, busy, used, peak, _, results_s in rows:
         print(
@@ -199,10 +217,20 @@ def main() -> None:
             f"{first[7] / results_s:.2f}x | {'-' if busy is None else f'{busy:.0f}%'} | "
             f"{'-' if used is None else f'{used:.1f} GiB'} | "
             f"{'-' if peak is None else f'{peak:.2f} GiB'} |"
+            + (f" {rate / large[2]:.0%} |" if large else "")
         )
     if args.batched:
         print(f"\n`{args.members} in one batch`: one process, members_per_batch {args.members}")
-    exact = [r for r in rows if "one batch" not in r[0] and "batched_train" not in r[0]]
+    if large:
+        print(
+            f"`{large[0]}`: one member sampling and training the population's rows "
+            "(prompts_per_step x members) through one adapter: the rate a batch could reach"
+        )
+    exact = [
+        r
+        for r in rows
+        if "one batch" not in r[0] and "batched_train" not in r[0] and r is not large
+    ]
     same = len({tuple(r[6]) for r in exact}) == 1
     print(f"\nsame fitness for every member whatever runs at once: {same}")
     for row in (r for r in rows if "batched_train" in r[0]):
@@ -219,9 +247,12 @@ def _campaign(
     batch: int,
     mps_env: dict,
     label: str,
+    members: int | None = None,
 ) -> tuple:
-    """``--generations`` generations of the members through long-lived workers: ``slots`` of
-    them on the GPU, each taking ``batch`` members at a time; the last generation's row."""
+    """``--generations`` generations of the members (``--members``, or ``members``) through
+    long-lived workers: ``slots`` of them on the GPU, each taking ``batch`` members at a time;
+    the last generation's row."""
+    members = args.members if members is None else members
     from pbt.launch.local import member_command
     from pbt.launch.persistent import PersistentLauncher
 
@@ -239,7 +270,7 @@ def _campaign(
     try:
         for generation in range(args.generations):
             tasks = write_tasks(
-                root, campaign, manifest, generation, args.members, args.steps, digests, LR
+                root, campaign, manifest, generation, members, args.steps, digests, LR
             )
             last = generation == args.generations - 1
             sampler = _GpuSampler(args.gpu) if last and gpus else None
