@@ -132,6 +132,17 @@ class Manifest:
                 "machine's long-lived workers; with launch.backend: slurm each member task runs "
                 "alone in its job (docs/rollouts.md)"
             )
+        elif launch.members_per_batch > 1 and self.worker_batch == 1:
+            notes.append(
+                f"launch.members_per_batch ({launch.members_per_batch}) has no effect with "
+                f"{self._unbatched()}: each member task runs alone (docs/rollouts.md)"
+            )
+        elif launch.batched_train and launch.members_per_batch > 1 and self._learns_apart():
+            notes.append(
+                f"launch.batched_train (true) needs every trained tensor a LoRA matrix, no "
+                f"LoRA dropout and a plain output layer; with {self._learns_apart()} the "
+                "members of a batch learn in turn (docs/rollouts.md)"
+            )
         if launch.lora_kernel != "auto" and launch.members_per_batch == 1:
             notes.append(
                 f"launch.lora_kernel ({launch.lora_kernel}) is how a batch of several members "
@@ -147,6 +158,31 @@ class Manifest:
             return notes
         note = locate_model(self.model.name, self.base_dir).note
         return [*notes, note] if note else notes
+
+    def _unbatched(self) -> str:
+        """Why a long-lived worker on this machine does not batch members (see
+        :attr:`worker_batch`)."""
+        launch = self.launch
+        if launch.ranks != 1:
+            return f"{launch.ranks} ranks a member (each rank's rows are its own)"
+        if FSDPConfig.from_value(self.distributed.fsdp) is not None:
+            return "distributed.fsdp (a sharded model)"
+        if self.rollout.engine not in ("hf", "static"):
+            return f"rollout.engine: {self.rollout.engine} (it batches the members' LoRA requests)"
+        return "launch.rollout_gpus_per_member (dedicated engines sample for each member)"
+
+    def _learns_apart(self) -> str:
+        """What keeps a batch's members from learning in one pass (``launch.batched_train``),
+        as far as the manifest says; empty when nothing does."""
+        targets = self.lora.target_modules
+        names = [targets] if isinstance(targets, str) else list(targets)
+        if self.lora.dropout > 0:
+            return f"lora.dropout {self.lora.dropout:g}"
+        if any(n == "lm_head" or n.endswith(".lm_head") for n in names):
+            return "lm_head among lora.target_modules"
+        if self.algorithm.name == "PPO":
+            return "PPO (its value head is trained too)"
+        return ""
 
     def _trains_on_cpu(self) -> bool:
         """Whether members certainly train on the CPU: ``training.device`` says so, or a

@@ -87,3 +87,10 @@ def test_a_campaign_manifest_is_told_where_members_per_batch_applies(tmp_path):
     assert any(n.startswith("launch.lora_kernel (stacked)") for n in kernel.notes())
     batched = small_manifest(tmp_path, launch={"lora_kernel": "stacked", "members_per_batch": 2})
     assert not batched.notes()
+    ranks = small_manifest(tmp_path, launch={"members_per_batch": 4, "nproc_per_member": 2})
+    assert "launch.members_per_batch (4) has no effect with 2 ranks a member" in ranks.notes()[0]
+    together = {"members_per_batch": 2, "batched_train": True}
+    assert not small_manifest(tmp_path, launch=together).notes()
+    dropout = small_manifest(tmp_path, launch=together, lora={"dropout": 0.1})
+    (note,) = dropout.notes()
+    assert note.startswith("launch.batched_train (true) needs") and "lora.dropout 0.1" in note
