@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from population_profile import trace
 from shapes import pick
 
 SHAPES = pick("wide", "0.5b", "1.5b", "smollm2-shape")
@@ -168,6 +169,8 @@ def measure(name: str, args, device) -> dict:
         print(
             f"  {name}, {label}: {n * tokens / best:,.0f} tok/s (warm-up {warm:.1f} s)", flush=True
         )
+        if args.trace and label in ("one batch, stacked", "large batch, one adapter"):
+            trace(run, f"{name}, {label}: busiest operators of one call", cuda, args.trace)
     check = _tolerance(model, adapters, slot, adapters_by_member, ids, mask, segments, autocast)
     if args.train:
         rates |= _train_modes(model, adapters, slot, adapters_by_member, ids, mask, segments, args)
@@ -290,6 +293,11 @@ def main() -> None:
     parser.add_argument(
         "--train", action="store_true",
         help="also time a train step's forward and backward, one at a time against one pass",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace", type=int, default=0,
+        help="operators (on a GPU, kernels) to list for one call of the stacked batch and of "
+        "the large batch (0: no trace)",
     )  # fmt: skip
     parser.add_argument("--completion", type=int, default=64, help="tokens a row, --train")
     parser.add_argument(

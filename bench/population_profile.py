@@ -164,7 +164,8 @@ def run_mode(model: str, args, mode: str) -> dict[str, float]:
         clock.sync()
         measured["evaluate"] = time.perf_counter() - begin
         if args.trace:
-            _trace(train, mode, args)
+            title = f"{mode}: busiest operators over {args.steps} steps"
+            trace(train, title, device.type == "cuda", args.trace)
     measured["other"] = wall - sum(measured.get(p, 0.0) for p in PHASES[:-1])
     measured |= {"wall": wall, "tokens": tokens[0]}
     shared.members.clear()
@@ -173,20 +174,22 @@ def run_mode(model: str, args, mode: str) -> dict[str, float]:
     return measured
 
 
-def _trace(train, mode: str, args) -> None:
+def trace(run, title: str, cuda: bool, rows: int) -> None:
+    """``torch.profiler``'s ``rows`` busiest operators (and, on a GPU, kernels, those inside
+    replayed CUDA graphs too) over one call of ``run``, under ``title``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
-    if args.device == "cuda":
+    if cuda:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        train()
-    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-    print(f"\n{mode}: busiest operators over {args.steps} steps")
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.trace))
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(f"\n{title}")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows))
 
 
 def main() -> None:
