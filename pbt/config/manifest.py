@@ -137,10 +137,10 @@ class Manifest:
                 f"launch.members_per_batch ({launch.members_per_batch}) has no effect with "
                 f"{self._unbatched()}: each member task runs alone (docs/rollouts.md)"
             )
-        elif launch.batched_train and launch.members_per_batch > 1 and self._learns_apart():
+        elif launch.batched_train and launch.members_per_batch > 1 and self.learns_apart():
             notes.append(
                 f"launch.batched_train (true) needs every trained tensor a LoRA matrix, no "
-                f"LoRA dropout and a plain output layer; with {self._learns_apart()} the "
+                f"LoRA dropout and a plain output layer; with {self.learns_apart()} the "
                 "members of a batch learn in turn (docs/rollouts.md)"
             )
         if launch.lora_kernel != "auto" and launch.members_per_batch == 1:
@@ -171,9 +171,11 @@ class Manifest:
             return f"rollout.engine: {self.rollout.engine} (it batches the members' LoRA requests)"
         return "launch.rollout_gpus_per_member (dedicated engines sample for each member)"
 
-    def _learns_apart(self) -> str:
+    def learns_apart(self) -> str:
         """What keeps a batch's members from learning in one pass (``launch.batched_train``),
-        as far as the manifest says; empty when nothing does."""
+        as far as the manifest says (the rule the worker applies is
+        :func:`~pbt.algorithms.runtime.population_train.learns_together`); empty when nothing
+        does."""
         targets = self.lora.target_modules
         names = [targets] if isinstance(targets, str) else list(targets)
         if self.lora.dropout > 0:

@@ -218,7 +218,9 @@ def plan_from_manifest(manifest: Manifest, prompt_tokens: int = DEFAULT_PROMPT_T
         double_quant=quant is None or quant.double_quant,
         compute_bytes=4 if quant is not None and quant.compute_dtype == "float32" else 2,
         members_per_batch=manifest.worker_batch,
-        batched_train=launch.batched_train and manifest.worker_batch > 1,
+        batched_train=launch.batched_train
+        and manifest.worker_batch > 1
+        and not manifest.learns_apart(),
         stacked=launch.lora_kernel != "segmented",
     )
 

@@ -548,6 +548,13 @@ def test_the_plan_of_a_manifest(tmp_path: Path):
     assert (plan.per_example, plan.rollouts) == (2, 0)
     knobs = _with(sections, tmp_path, lora={"target_modules": ["q_proj", "v_proj", "lm_head"]})
     assert plan_from_manifest(knobs).adapted == ("q_proj", "v_proj", "lm_head")
+    together = {"members_per_batch": 4, "batched_train": True}
+    batch = plan_from_manifest(_with(sections, tmp_path, launch=together))
+    assert (batch.members_per_batch, batch.together, batch.stacked) == (4, 4, True)
+    apart = plan_from_manifest(_with(sections, tmp_path, launch=together, lora={"dropout": 0.1}))
+    assert (apart.members_per_batch, apart.together) == (4, 1)  # the members learn in turn
+    slurm = {**together, "backend": "slurm"}
+    assert plan_from_manifest(_with(sections, tmp_path, launch=slurm)).members_per_batch == 1
 
 
 def _with(sections: dict, tmp_path: Path, **changes: dict):
