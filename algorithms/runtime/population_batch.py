@@ -32,7 +32,6 @@ class SharedMembers(Protocol):
 
     manifest: Manifest
     host: Host
-    row_adapters: RowAdapters | None
 
     def member(self, member_id: str) -> Member: ...
 
@@ -145,7 +144,6 @@ def row_adapters(shared: SharedMembers, slots: int) -> RowAdapters:
     if host.row_adapters is None or host.row_adapters.slots < slots:
         per_batch = shared.manifest.launch.members_per_batch
         host.row_adapters = RowAdapters(host.model, max(slots, per_batch))
-    shared.row_adapters = host.row_adapters
     return host.row_adapters
 
 

@@ -68,12 +68,16 @@ class SharedBase:
         self._weights: dict[str, list[Tensor]] = {}
         self._rng: dict[str, dict[str, Any]] = {}
         self.active: str | None = None
-        self.row_adapters: RowAdapters | None = None
-        """The members' adapters stacked for batched rollouts (``launch.members_per_batch``)."""
 
     @property
     def world(self):
         return self.host.world
+
+    @property
+    def row_adapters(self) -> RowAdapters | None:
+        """The members' adapters stacked for batched rollouts (``launch.members_per_batch``):
+        the host's (:func:`~pbt.algorithms.runtime.population_batch.row_adapters`)."""
+        return self.host.row_adapters
 
     # -- membership ------------------------------------------------------------------------
 

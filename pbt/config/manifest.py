@@ -100,13 +100,7 @@ class Manifest:
         where a worker can (long-lived workers on this machine, not Slurm's; one rank a member;
         an in-process engine, ``hf`` or ``static``; an unsharded model; no dedicated engines),
         else 1."""
-        launch = self.launch
-        if not launch.persistent_workers or launch.backend == "slurm" or launch.ranks != 1:
-            return 1
-        sharded = FSDPConfig.from_value(self.distributed.fsdp) is not None
-        engines = engine_count(launch.rollout_gpus_per_member, launch.ranks, self.rollout.mode)
-        in_process = self.rollout.engine in ("hf", "static")
-        return launch.members_per_batch if in_process and not sharded and not engines else 1
+        return 1 if self._unbatched() else self.launch.members_per_batch
 
     def notes(self) -> list[str]:
         """What a user should know before a run that is not a problem (``pbt check`` and
@@ -160,16 +154,22 @@ class Manifest:
         return [*notes, note] if note else notes
 
     def _unbatched(self) -> str:
-        """Why a long-lived worker on this machine does not batch members (see
-        :attr:`worker_batch`)."""
+        """Why a campaign's long-lived worker does not batch members (see
+        :attr:`worker_batch`); empty when it does."""
         launch = self.launch
+        if not launch.persistent_workers:
+            return "launch.persistent_workers: false"
+        if launch.backend == "slurm":
+            return "launch.backend: slurm"
         if launch.ranks != 1:
             return f"{launch.ranks} ranks a member (each rank's rows are its own)"
         if FSDPConfig.from_value(self.distributed.fsdp) is not None:
             return "distributed.fsdp (a sharded model)"
         if self.rollout.engine not in ("hf", "static"):
             return f"rollout.engine: {self.rollout.engine} (it batches the members' LoRA requests)"
-        return "launch.rollout_gpus_per_member (dedicated engines sample for each member)"
+        if engine_count(launch.rollout_gpus_per_member, launch.ranks, self.rollout.mode):
+            return "launch.rollout_gpus_per_member (dedicated engines sample for each member)"
+        return ""
 
     def learns_apart(self) -> str:
         """What keeps a batch's members from learning in one pass (``launch.batched_train``),
